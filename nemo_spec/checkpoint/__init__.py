@@ -1,0 +1,1 @@
+from nemo_spec.checkpoint import tp  # noqa: F401

@@ -1,0 +1,163 @@
+"""Typed configs: the single source of truth for model and speculative-decoding settings."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a GPT model (Llama family or GPT-2 family)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: Optional[int] = None  # None -> multi-head attention
+    head_dim: Optional[int] = None  # None -> hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    family: str = "llama"  # "llama" | "gpt2"
+    normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # "swiglu" | "gelu" (tanh approximation, GPT-2) | "gelu_exact"
+    position_embedding: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None  # HF-style: {"rope_type": "linear"|"llama3", "factor": ...}
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v > 0, f"ModelConfig.{name} must be a positive int, got {v!r}")
+        _check(self.family in ("llama", "gpt2"), f"ModelConfig.family must be 'llama' or 'gpt2', got {self.family!r}")
+        _check(self.normalization in ("RMSNorm", "LayerNorm"),
+               f"ModelConfig.normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
+        _check(self.activation in ("swiglu", "gelu", "gelu_exact"),
+               f"ModelConfig.activation must be 'swiglu', 'gelu' or 'gelu_exact', got {self.activation!r}")
+        _check(self.position_embedding in ("rope", "learned"),
+               f"ModelConfig.position_embedding must be 'rope' or 'learned', got {self.position_embedding!r}")
+        _check(self.num_attention_heads % self.num_query_groups == 0,
+               f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+               f"num_query_groups ({self.num_query_groups})")
+        if self.rope_scaling is not None:
+            rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            _check(rt in ("linear", "llama3", "default"),
+                   f"ModelConfig.rope_scaling.rope_type {rt!r} is not supported (linear, llama3)")
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ConfigError if tensor-parallel size ``tp`` cannot shard this model."""
+        _check(tp >= 1, f"tensor parallel size must be >= 1, got {tp}")
+        _check(self.num_attention_heads % tp == 0,
+               f"tensor parallel size {tp} does not divide num_attention_heads={self.num_attention_heads}")
+        _check(self.num_query_groups % tp == 0,
+               f"tensor parallel size {tp} does not divide num_query_groups={self.num_query_groups}")
+        _check(self.ffn_hidden_size % tp == 0,
+               f"tensor parallel size {tp} does not divide ffn_hidden_size={self.ffn_hidden_size}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-JSON representation."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "ModelConfig":
+        """Build from a dict, rejecting unknown fields with a message naming ``source``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown ModelConfig field(s) {unknown}")
+        try:
+            return cls(**copy.deepcopy(d))
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+
+ALGORITHMS = ("eagle1", "eagle3", "medusa")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Which draft to attach to the base model, and its shape."""
+
+    algorithm: str = "eagle3"
+    num_eagle_layers: int = 1
+    num_medusa_heads: int = 4
+    num_medusa_layers: int = 1
+    draft_vocab_size: Optional[int] = None  # EAGLE-3 only; None -> base vocab
+    aux_layers: Optional[List[int]] = None  # EAGLE-3 only; None -> default low/mid/high
+    ttt_steps: int = 3  # EAGLE-3 training-time-test unroll depth
+
+    def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
+        """Raise ConfigError naming the invalid field; returns self."""
+        _check(self.algorithm in ALGORITHMS, f"unknown speculative algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.algorithm in ("eagle1", "eagle3"):
+            _check(isinstance(self.num_eagle_layers, int) and self.num_eagle_layers > 0,
+                   f"num_eagle_layers must be > 0 for {self.algorithm}, got {self.num_eagle_layers!r}")
+        if self.algorithm == "medusa":
+            _check(isinstance(self.num_medusa_heads, int) and self.num_medusa_heads > 0,
+                   f"num_medusa_heads must be > 0 for medusa, got {self.num_medusa_heads!r}")
+            _check(isinstance(self.num_medusa_layers, int) and self.num_medusa_layers > 0,
+                   f"num_medusa_layers must be > 0, got {self.num_medusa_layers!r}")
+        _check(isinstance(self.ttt_steps, int) and self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps!r}")
+        if model is not None:
+            if self.draft_vocab_size is not None:
+                _check(self.algorithm == "eagle3", "draft_vocab_size is only used by eagle3")
+                _check(0 < self.draft_vocab_size <= model.vocab_size,
+                       f"draft_vocab_size={self.draft_vocab_size} must be in [1, base vocab_size={model.vocab_size}]")
+            if self.aux_layers is not None:
+                _check(len(self.aux_layers) == 3, f"aux_layers must list 3 base layers, got {self.aux_layers}")
+                for i in self.aux_layers:
+                    _check(0 <= i < model.num_layers, f"aux_layers entry {i} outside [0, {model.num_layers})")
+        return self
+
+    def resolved_aux_layers(self, num_layers: int) -> List[int]:
+        """The three base layers (0-based) whose outputs feed EAGLE-3."""
+        if self.aux_layers is not None:
+            return list(self.aux_layers)
+        cand = [1, num_layers // 2 - 1, num_layers - 4]
+        return [min(max(c, 0), num_layers - 1) for c in cand]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-JSON representation."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "SpeculativeConfig":
+        """Build from a dict, rejecting unknown fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown SpeculativeConfig field(s) {unknown}")
+        return cls(**copy.deepcopy(d))
+
+
+def dump_json(obj: Dict[str, Any]) -> str:
+    """Stable JSON text for configs written next to checkpoints."""
+    return json.dumps(obj, indent=2, sort_keys=True)

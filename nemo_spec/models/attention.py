@@ -1,0 +1,181 @@
+"""Core attention on torch SDPA with explicit masks, explicit position ids (RoPE) and a KV cache.
+
+megatron-core's ``SelfAttention`` projects q/k/v and calls ``core_attention(q, k, v, attention_mask, ...)``
+with whatever object the caller passed as ``attention_mask``. We pass an :class:`AttnContext` that
+carries explicit position ids, an arbitrary boolean mask (tree attention, padding) and, during
+generation, a :class:`KVCache` plus the cache slots the new keys/values are written to.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.enums import AttnMaskType
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+    """Inverse RoPE frequencies (fp32), with HF-compatible 'linear' and 'llama3' scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling:
+        rtype = scaling.get("rope_type", scaling.get("type", "default"))
+        factor = float(scaling.get("factor", 1.0))
+        if rtype == "linear":
+            inv_freq = inv_freq / factor
+        elif rtype == "llama3":
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+            low_wl, high_wl = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, heads, s, d] by positions [b, s] (non-interleaved halves, as Llama)."""
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(x.device)[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, d]
+    cos, sin = emb.cos(), emb.sin()
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class KVCache:
+    """Preallocated per-layer key/value cache, batch-aware, with per-row committed lengths.
+
+    ``k``/``v`` are [layers, batch, max_len, local_kv_heads, head_dim]. Row ``b`` holds valid
+    entries in slots ``[start[b], length[b])``; slots before ``start`` are left padding.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.starts = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def matches(self, num_layers: int, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this cache can be reused for the given shape."""
+        return (self.k.shape[0] == num_layers and self.batch_size == batch_size and self.max_len >= max_len
+                and self.k.dtype == dtype and self.k.device == torch.device(device))
+
+    def reset(self) -> None:
+        """Forget all entries (buffers are kept)."""
+        self.lengths.zero_()
+        self.starts.zero_()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [b, q, heads, d] at cache slots [b, q] of ``layer``."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slots)
+        self.k[layer, rows, slots] = k.to(self.k.dtype)
+        self.v[layer, rows, slots] = v.to(self.v.dtype)
+
+    def keep(self, src_slots: torch.Tensor, num_kept: torch.Tensor) -> None:
+        """Compact accepted entries: for each row copy ``src_slots[b, :num_kept[b]]`` to ``lengths[b]...``.
+
+        Used after tree/chain verification so that only the accepted path stays in the cache.
+        """
+        b, n = src_slots.shape
+        if n == 0:
+            return
+        dev = src_slots.device
+        idx = torch.arange(n, device=dev)[None, :]
+        valid = idx < num_kept[:, None]
+        dst = (self.lengths[:, None] + idx).clamp(max=self.max_len - 1)
+        rows = torch.arange(b, device=dev)[:, None].expand(b, n)
+        src = torch.where(valid, src_slots, dst)
+        r, s, d = rows[valid], src[valid], dst[valid]
+        if r.numel():
+            self.k[:, r, d] = self.k[:, r, s]
+            self.v[:, r, d] = self.v[:, r, s]
+        self.lengths += num_kept
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll rows back to the given committed lengths."""
+        self.lengths.copy_(torch.minimum(self.lengths, new_lengths))
+
+
+@dataclass
+class AttnContext:
+    """What core attention needs beyond q/k/v: positions, mask, and optionally a KV cache.
+
+    position_ids: [b, q] absolute positions of the q new tokens (RoPE).
+    mask: optional bool [b, q, kv] (True = attend). Without a cache kv == q; with a cache kv == kv_len.
+      None without a cache means plain causal attention.
+    cache / write_slots / kv_len: generation mode — new k/v are written at ``write_slots`` [b, q]
+      and queries attend over cache slots ``[0, kv_len)`` subject to ``mask``.
+    """
+
+    position_ids: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    cache: Optional[KVCache] = None
+    write_slots: Optional[torch.Tensor] = None
+    kv_len: int = 0
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's core attention: torch SDPA, GQA, explicit masks, RoPE by position id, KV cache."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Any = None, **kwargs: Any) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number  # 1-based within its block
+        tp = config.tensor_model_parallel_size
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.use_rope = getattr(config, "nemo_rope", False)
+        if self.use_rope:
+            inv = rope_inv_freq(self.head_dim, config.nemo_rope_theta, config.nemo_rope_scaling)
+            self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        sq, b = query.shape[0], query.shape[1]
+        q = query.permute(1, 2, 0, 3)  # [b, h, s, d]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        ctx = attention_mask if isinstance(attention_mask, AttnContext) else None
+        if self.use_rope:
+            pos = ctx.position_ids if ctx is not None else torch.arange(sq, device=q.device)[None].expand(b, sq)
+            q = apply_rope(q, pos, self.inv_freq)
+            k = apply_rope(k, pos, self.inv_freq)
+        mask = None
+        is_causal = False
+        if ctx is not None and ctx.cache is not None:
+            layer = self.layer_number - 1
+            ctx.cache.write(layer, ctx.write_slots, k.transpose(1, 2), v.transpose(1, 2))
+            k = ctx.cache.k[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
+            v = ctx.cache.v[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
+            mask = ctx.mask[:, None]
+        elif ctx is not None and ctx.mask is not None:
+            mask = ctx.mask[:, None]
+        elif isinstance(attention_mask, torch.Tensor):
+            mask = ~attention_mask.bool()  # megatron convention: True = masked out
+        else:
+            is_causal = True
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                             enable_gqa=self.heads != self.groups)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

@@ -1,0 +1,126 @@
+"""Build a megatron-core GPTModel from a ModelConfig, and run it with explicit positions/masks/KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+
+from nemo_spec._cpu import apply_cpu_workarounds, default_device
+from nemo_spec.config import ModelConfig
+from nemo_spec.models.attention import AttnContext, KVCache
+from nemo_spec.models.spec import layer_spec, transformer_config
+from nemo_spec import parallel
+
+
+def build_gpt(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
+              device: Optional[torch.device] = None) -> GPTModel:
+    """Build a (tensor-parallel, per the current parallel state) megatron-core GPTModel for ``cfg``."""
+    apply_cpu_workarounds()
+    tp = parallel.tp_size()
+    cfg.check_tensor_parallel(tp)
+    if cfg.vocab_size % tp:
+        from nemo_spec.config import ConfigError
+        raise ConfigError(f"tensor parallel size {tp} does not divide vocab_size={cfg.vocab_size}")
+    tcfg = transformer_config(cfg, tp, params_dtype)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="learned_absolute" if cfg.position_embedding == "learned" else "none",
+    )
+    model.nemo_spec_config = cfg  # the ModelConfig travels with the module
+    return model.to(device or default_device())
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16 / Lightning wrappers."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, GPTModel):
+            return m
+        if hasattr(m, "gpt"):
+            m = m.gpt
+        elif hasattr(m, "module"):
+            m = m.module
+        elif hasattr(m, "model"):
+            m = m.model
+        else:
+            break
+    raise TypeError(f"expected a megatron-core GPTModel (or a wrapper holding one), got {type(model).__name__}")
+
+
+def model_config(model: torch.nn.Module) -> ModelConfig:
+    """The ModelConfig a model was built from."""
+    return unwrap(model).nemo_spec_config
+
+
+@dataclass
+class GPTOutput:
+    """Result of :func:`gpt_forward`: logits [b, s, V(_local)], final hidden [b, s, h], aux hiddens."""
+
+    logits: Optional[torch.Tensor]
+    hidden: torch.Tensor
+    aux_hidden: List[torch.Tensor] = field(default_factory=list)
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Gather vocab-parallel logits [..., V/tp] into full logits [..., V] (no-op at TP=1)."""
+    if parallel.tp_size() == 1:
+        return logits
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor) -> torch.Tensor:
+    """Apply the (possibly tied, vocab-parallel) output layer to final-normed hidden [s, b, h]; local logits [s, b, V/tp]."""
+    m = unwrap(model)
+    weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
+    logits, _ = m.output_layer(hidden_sbh, weight=weight)
+    return logits
+
+
+def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[AttnContext] = None,
+                aux_layers: Sequence[int] = (), compute_logits: bool = True,
+                gather: bool = True) -> GPTOutput:
+    """Run the base model on input_ids [b, s] with explicit positions/mask/cache (ctx); [b, s, ...] outputs.
+
+    ``aux_layers`` are 0-based layer indices whose outputs are returned (EAGLE-3 features).
+    ``gather=False`` keeps vocab-parallel logits local to the TP rank.
+    """
+    m = unwrap(model)
+    b, s = input_ids.shape
+    if ctx is None:
+        ctx = AttnContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s))
+    h = m.embedding(input_ids=input_ids, position_ids=ctx.position_ids)  # [s, b, h]
+    aux: List[torch.Tensor] = []
+    want = set(aux_layers)
+    for i, layer in enumerate(m.decoder.layers):
+        h, _ = layer(hidden_states=h, attention_mask=ctx)
+        if i in want:
+            aux.append(h)
+    if m.decoder.final_layernorm is not None:
+        h = m.decoder.final_layernorm(h)
+    logits = None
+    if compute_logits:
+        logits = output_logits(m, h)
+        if gather:
+            logits = gather_vocab(logits)
+        logits = logits.transpose(0, 1)
+    return GPTOutput(logits=logits, hidden=h.transpose(0, 1), aux_hidden=[a.transpose(0, 1) for a in aux])
+
+
+def new_kv_cache(model: torch.nn.Module, batch_size: int, max_len: int, num_layers: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None) -> KVCache:
+    """Allocate a KV cache shaped for ``model``'s attention layers on this TP rank."""
+    cfg = model_config(model)
+    tp = parallel.tp_size()
+    p = next(unwrap(model).parameters())
+    return KVCache(num_layers or cfg.num_layers, batch_size, max_len, cfg.num_query_groups // tp, cfg.head_dim,
+                   dtype or p.dtype, p.device)

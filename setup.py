@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nemo_spec",
+    version="0.1.0",
+    description="Speculative decoding (EAGLE-1, EAGLE-3, Medusa) for megatron-core GPT models",
+    packages=find_packages(include=["nemo_spec", "nemo_spec.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.5",  # CPU: install torch==2.13.0 first (see README); GPU: bring your CUDA build
+        "megatron-core>=0.15,<0.17",
+        "lightning>=2.4,<2.7",
+        "hydra-core>=1.3,<1.4",
+        "transformers>=4.50",
+        "safetensors",
+        "tokenizers",
+        "jinja2",
+        "psutil",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "serve": ["fastapi", "uvicorn", "pydantic>=2", "httpx", "openai"],
+        "dev": ["pytest", "pytest-timeout", "openai", "matplotlib", "tensorboard", "fastapi", "uvicorn", "httpx"],
+        "nemo": ["nemo_toolkit"],
+        "modelopt": ["nvidia-modelopt"],
+    },
+    include_package_data=True,
+)

@@ -1,0 +1,25 @@
+"""Shared fixtures: one single-process megatron parallel state (TP=1, gloo) for the whole session."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _parallel_state():
+    from nemo_spec import parallel
+
+    parallel.initialize(tensor_parallel_size=1)
+    yield
+    parallel.destroy()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

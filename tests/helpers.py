@@ -1,0 +1,52 @@
+"""Test helpers: tiny model configs and a torchrun launcher for multi-process (gloo) tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+from nemo_spec.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama(**kw) -> ModelConfig:
+    """A tiny Llama-style config with GQA (4 heads, 2 groups) that TP=2 can shard."""
+    base = dict(vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=128, max_position_embeddings=256, rope_theta=10000.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_gpt2(**kw) -> ModelConfig:
+    """A tiny GPT-2-style config (learned positions, LayerNorm, GELU, biases, tied embeddings)."""
+    base = dict(vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
+                max_position_embeddings=256, family="gpt2", normalization="LayerNorm", activation="gelu",
+                position_embedding="learned", add_bias_linear=True, tie_word_embeddings=True)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: Path | str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 180) -> str:
+    """Run ``script`` under ``torchrun --nproc_per_node nproc`` (gloo, CPU); return stdout, raise on failure."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd: List[str] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                      "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), *map(str, args)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-8000:]}")
+    return p.stdout

@@ -1,0 +1,80 @@
+"""Model builder: forward shapes, KV-cache incremental decoding, explicit masks, TP=2 == TP=1."""
+import torch
+import pytest
+
+from nemo_spec.checkpoint.tp import is_tensor_entry
+from nemo_spec.config import ConfigError, ModelConfig
+from nemo_spec.models import AttnContext, build_gpt, gpt_forward, new_kv_cache
+from tests.helpers import ROOT, run_torchrun, tiny_gpt2, tiny_llama
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_forward_and_backward(make):
+    torch.manual_seed(0)
+    m = build_gpt(make())
+    x = torch.randint(0, 96, (2, 12))
+    out = gpt_forward(m, x, aux_layers=[0, 1])
+    assert out.logits.shape == (2, 12, 96) and out.hidden.shape == (2, 12, 64) and len(out.aux_hidden) == 2
+    out.logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_kv_cache_incremental_matches_full(make):
+    torch.manual_seed(0)
+    m = build_gpt(make()).eval()
+    x = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        full = gpt_forward(m, x).logits
+        cache = new_kv_cache(m, batch_size=3, max_len=16)
+        # prefill 6 tokens, then one token at a time
+        steps = [(0, 6)] + [(i, i + 1) for i in range(6, 10)]
+        outs = []
+        for a, b in steps:
+            n = b - a
+            slots = torch.arange(a, b)[None].expand(3, n)
+            kv = b
+            mask = torch.arange(kv)[None, None, :] <= torch.arange(a, b)[None, :, None]
+            ctx = AttnContext(position_ids=slots, mask=mask.expand(3, n, kv), cache=cache, write_slots=slots, kv_len=kv)
+            outs.append(gpt_forward(m, x[:, a:b], ctx).logits)
+            cache.lengths += n
+    inc = torch.cat(outs, 1)
+    assert (inc - full).abs().max() < 1e-5
+
+
+def test_explicit_mask_equals_causal():
+    torch.manual_seed(0)
+    m = build_gpt(tiny_llama()).eval()
+    x = torch.randint(0, 96, (2, 8))
+    pos = torch.arange(8)[None].expand(2, 8)
+    mask = torch.tril(torch.ones(8, 8, dtype=torch.bool))[None].expand(2, 8, 8)
+    with torch.no_grad():
+        a = gpt_forward(m, x).logits
+        b = gpt_forward(m, x, AttnContext(position_ids=pos, mask=mask)).logits
+    assert (a - b).abs().max() < 1e-5
+
+
+def test_tp_size_must_divide_heads():
+    cfg = tiny_llama(num_attention_heads=6, num_query_groups=3, hidden_size=48)
+    with pytest.raises(ConfigError, match="num_query_groups=3"):
+        cfg.check_tensor_parallel(2)
+
+
+def test_invalid_config_names_field():
+    with pytest.raises(ConfigError, match="activation"):
+        tiny_llama(activation="relu6")
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_tp2_logits_equal_tp1(make, tmp_path):
+    torch.manual_seed(0)
+    cfg = make()
+    m = build_gpt(cfg).eval()
+    x = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        logits = gpt_forward(m, x).logits
+    sd = {k: v for k, v in m.state_dict().items() if is_tensor_entry(k, v)}
+    path = tmp_path / "blob.pt"
+    torch.save({"config": cfg.to_dict(), "state_dict": sd, "input_ids": x, "logits": logits}, path)
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "tp_logits.py", [path])
+    assert "TP2_MAX_ERR" in out
