@@ -1,0 +1,267 @@
+"""Tokenised datasets, a data-parallel deterministic batch sampler (resumable), and the Lightning DataModule."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from nemo_spec.data.chat import Encoded, apply_chat_template, encode_chat, encode_text, record_messages
+from nemo_spec.data.formats import EmptyDatasetError, ReadStats, read_conversations
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    """Where the training data is and how to turn it into token batches."""
+
+    path: Union[str, List[str], None] = None
+    format: str = "daring_anteater"  # daring_anteater | sharegpt | messages | text | auto
+    max_seq_len: int = 512
+    loss_on: str = "assistant"  # assistant | all
+    system_prompt: Optional[str] = None
+    val_fraction: float = 0.05
+    val_max_samples: int = 64
+    seed: int = 1234
+    strict: bool = False
+    max_samples: Optional[int] = None
+    num_workers: int = 0
+    offline_dir: Optional[str] = None  # precomputed base outputs (offline mode)
+
+    def validate(self) -> "DataConfig":
+        """Raise ValueError naming the first invalid field; returns self."""
+        if not self.path and not self.offline_dir:
+            raise ValueError("data.path is required (a file or directory of training data)")
+        if self.max_seq_len < 4:
+            raise ValueError(f"data.max_seq_len must be >= 4, got {self.max_seq_len}")
+        if self.loss_on not in ("assistant", "all"):
+            raise ValueError(f"data.loss_on must be 'assistant' or 'all', got {self.loss_on!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        return self
+
+
+@dataclass
+class DataStats:
+    """What happened while building the dataset."""
+
+    read: ReadStats = field(default_factory=ReadStats)
+    samples: int = 0
+    truncated: int = 0
+    no_target: int = 0
+
+
+class TokenDataset(Dataset):
+    """A list of (input_ids, loss_mask) samples."""
+
+    def __init__(self, samples: Sequence[Encoded]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        s = self.samples[i]
+        return {"input_ids": s.input_ids, "loss_mask": s.loss_mask}
+
+
+def encode_records(records: Sequence[Dict[str, Any]], tokenizer: Any, cfg: DataConfig,
+                   stats: Optional[DataStats] = None) -> List[Encoded]:
+    """Tokenise records (chat or text) into samples, counting truncated ones and ones without targets."""
+    stats = stats if stats is not None else DataStats()
+    out: List[Encoded] = []
+    for r in records:
+        if not r["turns"]:
+            out.extend(encode_text(tokenizer, r["text"], cfg.max_seq_len))
+            continue
+        e = encode_chat(tokenizer, r, cfg.max_seq_len, cfg.loss_on, cfg.system_prompt)
+        stats.truncated += int(e.truncated)
+        if int(e.loss_mask[1:].sum()) == 0:
+            stats.no_target += 1
+            continue
+        out.append(e)
+    stats.samples = len(out)
+    if stats.truncated:
+        log.warning("%d sample(s) longer than max_seq_len=%d were truncated", stats.truncated, cfg.max_seq_len)
+    if stats.no_target:
+        log.warning("%d sample(s) had no assistant token to train on (after truncation) and were dropped",
+                    stats.no_target)
+    return out
+
+
+def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> Tuple[List[int], List[int]]:
+    """Seeded train/validation split of ``n`` items (at least one train item)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=g).tolist()
+    n_val = min(val_max, int(round(n * val_fraction))) if val_fraction > 0 else 0
+    n_val = min(n_val, n - 1)
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def collate(batch: Sequence[Dict[str, torch.Tensor]], pad_id: int = 0) -> Dict[str, torch.Tensor]:
+    """Right-pad a list of samples into [b, s] tensors (padding has loss_mask 0)."""
+    s = max(x["input_ids"].numel() for x in batch)
+    ids = torch.full((len(batch), s), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), s), dtype=torch.long)
+    for i, x in enumerate(batch):
+        n = x["input_ids"].numel()
+        ids[i, :n] = x["input_ids"]
+        mask[i, :n] = x["loss_mask"]
+    out = {"input_ids": ids, "loss_mask": mask}
+    for k in batch[0]:
+        if k not in out:
+            out[k] = torch.stack([x[k] for x in batch])
+    return out
+
+
+def data_parallel_rank_size() -> Tuple[int, int]:
+    """(rank, size) of this process in megatron's data-parallel group ((0, 1) when not initialised)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return 0, 1
+
+
+class DataParallelBatchSampler(Sampler[List[int]]):
+    """Deterministic (seed, epoch) shuffle; each global batch of ``micro_bs * dp_size`` is split across DP ranks.
+
+    All tensor-parallel ranks of one DP rank see identical batches. ``skip_samples(n)`` resumes mid-epoch after
+    ``n`` globally consumed samples (works across a change of DP size).
+    """
+
+    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 shuffle: bool = True, seed: int = 1234, drop_last: bool = True) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.n, self.mbs, self.rank, self.size = num_samples, micro_batch_size, dp_rank, dp_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self._skip = 0
+        gb = self.mbs * self.size
+        if drop_last and self.n < gb:
+            raise EmptyDatasetError(f"{self.n} sample(s) is fewer than one global micro-batch "
+                                    f"(micro_batch_size={self.mbs} x data_parallel={self.size})")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle of ``epoch``."""
+        self.epoch = epoch
+
+    def skip_samples(self, consumed: int) -> None:
+        """Skip the first ``consumed`` global samples of the next iteration (mid-epoch resume)."""
+        self._skip = consumed
+
+    def _order(self) -> List[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + 1000003 * self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __len__(self) -> int:
+        gb = self.mbs * self.size
+        return self.n // gb if self.drop_last else math.ceil(self.n / gb)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = self._order()
+        gb = self.mbs * self.size
+        start = (self._skip // gb) * gb
+        self._skip = 0
+        for a in range(start, len(order), gb):
+            g = order[a:a + gb]
+            if len(g) < gb and self.drop_last:
+                return
+            mine = g[self.rank * self.mbs:(self.rank + 1) * self.mbs]
+            if mine:
+                yield mine
+
+
+class SpecDataModule(pl.LightningDataModule):
+    """Reads, tokenises and splits chat/text data; serves DP-sharded micro-batches and held-out prompts."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int = 2,
+                 records: Optional[List[Dict[str, Any]]] = None) -> None:
+        super().__init__()
+        self.cfg = cfg.validate() if records is None else cfg
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self._records = records
+        self.stats = DataStats()
+        self.train_set: Optional[TokenDataset] = None
+        self.val_set: Optional[TokenDataset] = None
+        self.val_records: List[Dict[str, Any]] = []
+        self.train_sampler: Optional[DataParallelBatchSampler] = None
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Read and tokenise once; split into train/validation."""
+        if self.train_set is not None:
+            return
+        records = self._records
+        if records is None:
+            records = read_conversations(self.cfg.path, self.cfg.format, strict=self.cfg.strict, stats=self.stats.read)
+        if self.cfg.max_samples:
+            records = records[: self.cfg.max_samples]
+        tr_idx, va_idx = split_indices(len(records), self.cfg.val_fraction, self.cfg.val_max_samples, self.cfg.seed)
+        if len(records) == 1 and records[0]["turns"] == [] and self.cfg.val_fraction > 0:
+            tr_idx, va_idx = [0], []  # one text document: split its chunks instead
+        train = encode_records([records[i] for i in tr_idx], self.tokenizer, self.cfg, self.stats)
+        val_stats = DataStats()
+        val = encode_records([records[i] for i in va_idx], self.tokenizer, self.cfg, val_stats)
+        if not va_idx and self.cfg.val_fraction > 0 and len(train) > 1:
+            n_val = max(1, min(self.cfg.val_max_samples, int(round(len(train) * self.cfg.val_fraction))))
+            tr, va = split_indices(len(train), n_val / len(train), n_val, self.cfg.seed)
+            train, val = [train[i] for i in tr], [train[i] for i in va]
+        if not train:
+            raise EmptyDatasetError(f"no trainable samples in {self.cfg.path} (read {len(records)} record(s); "
+                                    f"{self.stats.no_target} without assistant tokens after truncation)")
+        self.val_records = [records[i] for i in va_idx]
+        self.train_set, self.val_set = TokenDataset(train), TokenDataset(val)
+        log.info("dataset: %d train / %d validation samples (truncated %d, skipped %d malformed)",
+                 len(train), len(val), self.stats.truncated, self.stats.read.skipped)
+
+    def _collate(self, batch: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        return collate(batch, self.pad_id)
+
+    def train_dataloader(self) -> DataLoader:
+        """DP-sharded, deterministic, resumable training loader."""
+        self.setup()
+        rank, size = data_parallel_rank_size()
+        self.train_sampler = DataParallelBatchSampler(len(self.train_set), self.micro_batch_size, rank, size,
+                                                      shuffle=True, seed=self.cfg.seed)
+        return DataLoader(self.train_set, batch_sampler=self.train_sampler, collate_fn=self._collate,
+                          num_workers=self.cfg.num_workers)
+
+    def val_dataloader(self) -> List[DataLoader] | DataLoader:
+        """Validation loader (each DP rank takes its share; empty list when there is no validation data)."""
+        self.setup()
+        if not len(self.val_set):
+            return []
+        rank, size = data_parallel_rank_size()
+        sampler = DataParallelBatchSampler(len(self.val_set), min(self.micro_batch_size, len(self.val_set)),
+                                           rank, size, shuffle=False, drop_last=len(self.val_set) >= size)
+        return DataLoader(self.val_set, batch_sampler=sampler, collate_fn=self._collate,
+                          num_workers=self.cfg.num_workers)
+
+    def val_prompts(self, n: int, max_prompt_len: int = 64) -> List[List[int]]:
+        """Token ids of up to ``n`` held-out prompts (chat: up to the first assistant turn; text: a prefix)."""
+        self.setup()
+        out: List[List[int]] = []
+        for r in self.val_records:
+            if len(out) >= n:
+                break
+            if r["turns"]:
+                msgs = record_messages(r, self.cfg.system_prompt)
+                first_asst = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+                ids = apply_chat_template(self.tokenizer, msgs[:first_asst], add_generation_prompt=True)
+                out.append(ids[-max_prompt_len:])
+        if not out:  # plain text (or no held-out chats): prefixes of held-out samples
+            for s in self.val_set.samples[:n]:
+                ids = s.input_ids.tolist()
+                out.append(ids[: max(4, min(max_prompt_len, len(ids) // 2))])
+        return out

@@ -1,0 +1,58 @@
+"""Helpers for data/training tests: a tiny BPE tokenizer trained in code and a small synthetic chat corpus."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures_train"
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+           "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen"]
+
+
+def synthetic_chats(n: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """Small arithmetic/colour chats in normalised record form (deterministic)."""
+    rng = random.Random(seed)
+    out = []
+    colors = ["red", "green", "blue", "yellow", "black", "white"]
+    for i in range(n):
+        a, b = rng.randrange(10), rng.randrange(9)
+        if i % 3 == 2:
+            c = rng.choice(colors)
+            turns = [{"role": "user", "content": f"what color is the {c} box?"},
+                     {"role": "assistant", "content": f"the {c} box is {c}. it is a {c} box."}]
+        else:
+            turns = [{"role": "user", "content": f"what is {NUMBERS[a]} plus {NUMBERS[b]}?"},
+                     {"role": "assistant", "content": f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}. "
+                                                      f"so the answer is {NUMBERS[a + b]}."}]
+        out.append({"id": f"syn-{i}", "system": "you are helpful." if i % 2 else None, "turns": turns})
+    return out
+
+
+def tiny_tokenizer(out_dir: Optional[Path] = None, vocab_size: int = 128, chat_template: Optional[str] = None) -> Any:
+    """Train a tiny character-BPE tokenizer (``tokenizers``) on the synthetic corpus; a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = []
+    for r in synthetic_chats(200):
+        texts += [t["content"] for t in r["turns"]]
+    for f in FIXTURES.rglob("*"):
+        if f.is_file():
+            texts.append(f.read_text(encoding="utf-8", errors="replace"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.BPEDecoder()
+    alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789.,?!'\":;-#()[]{}<>|_/=+*")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet,
+                                  limit_alphabet=len(alphabet), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|im_end|>")
+    if chat_template:
+        fast.chat_template = chat_template
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
