@@ -1,0 +1,251 @@
+"""EAGLE-1 and EAGLE-3 draft modules built from the base model's own megatron-core layer spec.
+
+Layout (state-dict names under ``eagle_module.``; the export helper maps them 1:1 to serving formats):
+
+EAGLE-1 (EAGLE reference ``Model`` / vLLM ``EagleLlamaForCausalLM``)::
+
+    fc.weight [h, 2h], fc.bias [h]        fc(cat(embed(x_{t+1}), f_t)), f_t = base final-normed hidden
+    layers.N.*                             megatron TransformerLayers; layer 0 has NO input norm (IdentityOp)
+    (no final norm; logits through the base's frozen output layer)
+
+EAGLE-3 (vLLM / SGLang ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*`` incl. ``hidden_norm``, ``norm``,
+``lm_head``, ``d2t``)::
+
+    fc.weight [h, 3h]                      fuses the three auxiliary base hidden states (no bias)
+    layers.0.input_layernorm.weight        norm of the token embedding
+    layers.0.hidden_norm.weight            norm of the feature (fused base feature or previous draft output)
+    layers.0.self_attention.linear_qkv     input 2h = cat(input_layernorm(embed), hidden_norm(feature))
+    layers.0.*                             rest of a standard layer; its attention residual is the feature
+    layers.N.* (N >= 1)                    standard layers
+    final_layernorm.weight                 ``norm``
+    output_layer.weight [Vd, h]            ``lm_head`` over the draft vocabulary (vocab-parallel under TP)
+    d2t [Vd] (int64 buffer)                base_id = draft_id + d2t[draft_id]
+
+Draft layers are numbered from 1 inside the draft so they use their own KV cache (layer = layer_number - 1).
+Token embeddings come from the frozen base embedding (not a draft parameter).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+from nemo_spec import parallel
+from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope
+from nemo_spec.models.gpt import gather_vocab, output_logits
+from nemo_spec.models.spec import layer_spec, transformer_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TTTContext(AttnContext):
+    """Attention context for EAGLE-3 training-time test: keys/values of earlier unrolled steps are kept per layer.
+
+    Each draft step appends its keys/values to ``store[layer]`` and attends over the concatenation of all steps
+    so far, subject to ``mask`` [b, q, kv_total] (True = attend). Tensors keep their autograd history.
+    """
+
+    store: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+
+class DraftCoreAttention(SDPACoreAttention):
+    """The project's SDPA core attention plus the training-time-test context (attention over earlier steps)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        """Plain SDPA core attention, or attention over all unrolled steps when given a TTTContext."""
+        if not isinstance(attention_mask, TTTContext):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        ctx = attention_mask
+        sq, b = query.shape[0], query.shape[1]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        if self.use_rope:
+            q = apply_rope(q, ctx.position_ids, self.inv_freq)
+            k = apply_rope(k, ctx.position_ids, self.inv_freq)
+        steps = ctx.store.setdefault(self.layer_number - 1, [])
+        steps.append((k, v))
+        k_all = torch.cat([s[0] for s in steps], dim=2)
+        v_all = torch.cat([s[1] for s in steps], dim=2)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask[:, None], scale=self.scale,
+                                             enable_gqa=self.heads != self.groups)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+def draft_layer_spec(skip_input_norm: bool = False) -> ModuleSpec:
+    """The base's layer spec with the draft core attention (and optionally no input norm, EAGLE-1 layer 0)."""
+    spec = copy.deepcopy(layer_spec())
+    spec.submodules.self_attention.submodules.core_attention = DraftCoreAttention
+    if skip_input_norm:
+        spec.submodules.input_layernorm = IdentityOp
+    return spec
+
+
+def ttt_mask(seq_len: int, step: int, device: torch.device) -> torch.Tensor:
+    """Mask [s, s*(step+1)] for unrolled step ``step``: causal over step-0 keys, own position in later steps."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+class EagleDraft(MegatronModule):
+    """EAGLE-1 / EAGLE-3 draft head: feature fusion, N decoder layers with the base's architecture, (own) LM head."""
+
+    def __init__(self, model_config: ModelConfig, spec_config: SpeculativeConfig, base: torch.nn.Module) -> None:
+        p = next(base.parameters())
+        tp = parallel.tp_size()
+        tcfg = transformer_config(model_config, tp, p.dtype, num_layers=spec_config.num_eagle_layers)
+        super().__init__(config=tcfg)
+        self.algorithm = spec_config.algorithm
+        h = model_config.hidden_size
+        self.hidden_size = h
+        self.num_layers = spec_config.num_eagle_layers
+        eagle3 = self.algorithm == "eagle3"
+        self.fc = torch.nn.Linear((3 if eagle3 else 2) * h, h, bias=not eagle3, dtype=p.dtype)
+        layers = []
+        for i in range(self.num_layers):
+            spec = draft_layer_spec(skip_input_norm=(i == 0 and not eagle3))
+            layers.append(build_module(spec, config=tcfg, layer_number=i + 1))
+        self.layers = torch.nn.ModuleList(layers)
+        if eagle3:
+            first = self.layers[0]
+            attn = first.self_attention
+            attn.linear_qkv = ColumnParallelLinear(
+                2 * h, attn.linear_qkv_out_dim, config=tcfg, init_method=tcfg.init_method, gather_output=False,
+                bias=tcfg.add_bias_linear or tcfg.add_qkv_bias, skip_bias_add=False, is_expert=False)
+            first.hidden_norm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
+            self.final_layernorm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
+            vd = spec_config.draft_vocab_size or model_config.vocab_size
+            self.draft_vocab_size = vd
+            self.output_layer = ColumnParallelLinear(h, vd, config=tcfg, init_method=tcfg.init_method, bias=False,
+                                                     gather_output=False, skip_bias_add=False)
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=True)
+            self.register_buffer("t2d", torch.zeros(model_config.vocab_size, dtype=torch.bool), persistent=False)
+            self.register_load_state_dict_post_hook(lambda module, incompatible: module._refresh_t2d())
+            self._refresh_t2d()
+            self._init_head_from_base(base)
+        else:
+            self.draft_vocab_size = model_config.vocab_size
+        self.to(p.device)
+
+    # ---- vocabulary mapping (EAGLE-3) -------------------------------------------------------------------
+    def _refresh_t2d(self) -> None:
+        """Recompute the base-vocab membership mask t2d from d2t."""
+        ids = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        t2d = torch.zeros_like(self.t2d)
+        t2d[ids] = True
+        self.t2d.copy_(t2d)
+
+    def base_ids_of_draft_vocab(self) -> torch.Tensor:
+        """Base token id of every draft-vocab entry, [Vd]."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def _init_head_from_base(self, base: torch.nn.Module) -> None:
+        """Copy the base output-layer rows of the draft vocabulary into this head (TP-aware)."""
+        w = _base_output_weight(base)
+        full = _gather_rows(w)
+        rows = full[self.base_ids_of_draft_vocab().to(full.device)]
+        tp, rank = parallel.tp_size(), parallel.tp_rank()
+        self.output_layer.weight.copy_(rows.chunk(tp, 0)[rank])
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_counts: torch.Tensor, base: torch.nn.Module, reinit_head: bool = True) -> None:
+        """Keep the ``draft_vocab_size`` most frequent base tokens; rebuild d2t/t2d (and re-seed the head rows)."""
+        if self.algorithm != "eagle3":
+            raise ValueError(f"set_draft_vocab is only defined for eagle3, not {self.algorithm}")
+        counts = torch.as_tensor(token_counts).flatten().to(torch.float64)
+        if counts.numel() != self.t2d.numel():
+            raise ValueError(f"token_counts has {counts.numel()} entries, base vocab_size is {self.t2d.numel()}")
+        order = torch.sort(-counts, stable=True).indices  # most frequent first, ties -> lower id
+        chosen = order[: self.draft_vocab_size].sort().values
+        self.d2t.copy_((chosen - torch.arange(self.draft_vocab_size)).to(self.d2t.device))
+        self._refresh_t2d()
+        if reinit_head:
+            self._init_head_from_base(base)
+        log.info("EAGLE-3 draft vocabulary set: %d of %d base tokens, covering %.1f%% of counted tokens",
+                 self.draft_vocab_size, counts.numel(),
+                 100.0 * counts[chosen].sum().item() / max(counts.sum().item(), 1.0))
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, base: torch.nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor,
+                ctx: Optional[AttnContext] = None, gather: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd])."""
+        emb = base.embedding.word_embeddings(input_ids.t())  # [s, b, h]
+        feat = hidden.transpose(0, 1).to(emb.dtype)
+        if self.algorithm == "eagle1":
+            x = self.fc(torch.cat([emb, feat], dim=-1))
+            for layer in self.layers:
+                x, _ = layer(hidden_states=x, attention_mask=ctx)
+            logits = output_logits(base, x)
+        else:
+            x = self._eagle3_first_layer(emb, feat, ctx)
+            for layer in self.layers[1:]:
+                x, _ = layer(hidden_states=x, attention_mask=ctx)
+            logits, _ = self.output_layer(self.final_layernorm(x))
+        if gather:
+            logits = gather_vocab(logits)
+        return x.transpose(0, 1), logits.transpose(0, 1)
+
+    def _eagle3_first_layer(self, emb: torch.Tensor, feat: torch.Tensor, ctx: Optional[AttnContext]) -> torch.Tensor:
+        """EAGLE-3 midlayer: attention over cat(norm(embed), hidden_norm(feature)) with the feature as residual."""
+        layer: TransformerLayer = self.layers[0]
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feat)], dim=-1)
+        attn = layer.self_attention(x, attention_mask=ctx)
+        h = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(attn, feat, layer.hidden_dropout)
+        return layer._forward_mlp(h)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Distributed-checkpoint view: TP-sharded layers/head, replicated fc/norms/d2t."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = {}
+        for name, module in self.named_children():
+            if name == "layers":
+                for i, layer in enumerate(self.layers):
+                    out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
+            else:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        if self.algorithm == "eagle3":
+            out.update(_replicated_buffer(self.d2t, f"{prefix}d2t", metadata))
+        return out
+
+
+def _replicated_buffer(t: torch.Tensor, key: str, metadata: Optional[dict]) -> dict:
+    """A ShardedTensor entry for a tensor replicated over TP/DP."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    return make_sharded_tensors_for_checkpoint({key: t}, "")
+
+
+def _base_output_weight(base: torch.nn.Module) -> torch.Tensor:
+    """The base's local (vocab-parallel) output weight [V/tp, h], tied to the embedding when shared."""
+    if base.share_embeddings_and_output_weights:
+        return base.shared_embedding_or_output_weight()
+    return base.output_layer.weight
+
+
+def _gather_rows(w: torch.Tensor) -> torch.Tensor:
+    """All-gather a vocab-parallel weight [V/tp, h] into the full [V, h] (no-op at TP=1)."""
+    if parallel.tp_size() == 1:
+        return w.detach()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parts = [torch.empty_like(w) for _ in range(parallel.tp_size())]
+    dist.all_gather(parts, w.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, 0)

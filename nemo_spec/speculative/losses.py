@@ -1,0 +1,141 @@
+"""Draft training losses: EAGLE-1 (feature regression + CE), EAGLE-3 training-time test, Medusa per-head CE.
+
+Alignment conventions (all tensors [b, s, ...], ``loss_mask[b, p] = 1`` when token ``p`` is a training target):
+
+* base logits at position p predict x_{p+1}; base feature f_p is the base hidden state at p;
+* an EAGLE row t pairs (f_t, x_{t+1}) and predicts x_{t+2} (and, for EAGLE-1, the feature f_{t+1});
+* EAGLE-3 unrolled step i, row t pairs (step i-1 output at t, x_{t+1+i}) and predicts x_{t+2+i};
+* Medusa head k at position t predicts x_{t+k+2}.
+
+A row counts only when its predicted token exists (index < s) and ``loss_mask`` is set there.
+Logits arrive gathered over the vocabulary (the gather's backward hands each TP rank its own slice),
+so the losses are identical on every TP rank and correct for vocab-parallel output layers.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_spec.models.attention import AttnContext
+from nemo_spec.models.gpt import GPTOutput, gpt_forward
+from nemo_spec.speculative.eagle import TTTContext, ttt_mask
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is set (0 when nothing is set)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy -sum p log softmax(logits), in fp32."""
+    return -(target_probs.float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def shifted_mask(loss_mask: torch.Tensor, shift: int) -> torch.Tensor:
+    """Row t -> loss_mask[t + shift] (False where t + shift >= s)."""
+    b, s = loss_mask.shape
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < s:
+        out[:, : s - shift] = loss_mask[:, shift:].bool()
+    return out
+
+
+def shift_left(x: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
+    """Row t -> x[t + shift] along dim 1 (``fill`` past the end)."""
+    if shift == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if shift < x.shape[1]:
+        out[:, : x.shape[1] - shift] = x[:, shift:]
+    return out
+
+
+def base_outputs(model, input_ids: torch.Tensor) -> GPTOutput:
+    """Frozen base forward (no grad) with the auxiliary layers the draft needs and gathered logits."""
+    with torch.no_grad():
+        return gpt_forward(model.gpt, input_ids, aux_layers=model.aux_layers, compute_logits=True, gather=True)
+
+
+def eagle1_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
+                  ce_weight: float = 0.1, return_logits: bool = False) -> Dict[str, object]:
+    """EAGLE-1: SmoothL1(draft hidden, next base feature) + ce_weight * soft CE through the frozen head."""
+    feats = out.hidden.detach()
+    base_logits = out.logits.detach()
+    tokens = shift_left(input_ids, 1)
+    hid, logits = model.draft_step(tokens, feats)
+    mask = shifted_mask(loss_mask, 2)
+    feat_target = shift_left(feats, 1)
+    tgt_logits = shift_left(base_logits, 1)
+    reg = F.smooth_l1_loss(hid.float(), feat_target.float(), reduction="none").mean(-1)
+    ce = soft_cross_entropy(logits, F.softmax(tgt_logits.float(), -1))
+    reg_l, ce_l = masked_mean(reg, mask), masked_mean(ce, mask)
+    loss = reg_l + ce_weight * ce_l
+    with torch.no_grad():
+        acc = masked_mean((logits.argmax(-1) == tgt_logits.argmax(-1)).float(), mask)
+    res: Dict[str, object] = {"loss": loss, "step_losses": [loss.detach()], "step_acc": [acc],
+                              "reg_loss": reg_l.detach(), "ce_loss": ce_l.detach()}
+    if return_logits:
+        res.update(base_logits=base_logits, step_logits=[logits])
+    return res
+
+
+def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
+                  ttt_steps: int, decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
+    """EAGLE-3 training-time test: ``ttt_steps`` unrolled steps, soft CE vs the base restricted to the draft vocab."""
+    b, s = input_ids.shape
+    feats = model.fuse(model.base_features(out))
+    base_logits = out.logits.detach()
+    t2d = model.draft_vocab_mask().to(base_logits.device)
+    restricted = base_logits.index_select(-1, model.draft_vocab_ids().to(base_logits.device))  # [b, s, Vd]
+    in_vocab = t2d[base_logits.argmax(-1)]  # base's top token representable by the draft
+    probs = F.softmax(restricted.float(), -1)
+    ctx = TTTContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s))
+    hidden = feats
+    total = torch.zeros((), device=input_ids.device)
+    step_losses: List[torch.Tensor] = []
+    step_acc: List[torch.Tensor] = []
+    step_logits: List[torch.Tensor] = []
+    for i in range(ttt_steps):
+        ctx.position_ids = (torch.arange(s, device=input_ids.device) + i)[None].expand(b, s)
+        ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
+        tokens = shift_left(input_ids, 1 + i)
+        hidden, logits = model.draft_step(tokens, hidden, ctx)
+        tgt = shift_left(probs, 1 + i)
+        mask = shifted_mask(loss_mask, 2 + i) & shift_left(in_vocab, 1 + i, fill=False)
+        loss_i = masked_mean(soft_cross_entropy(logits, tgt), mask)
+        total = total + (decay ** i) * loss_i
+        with torch.no_grad():
+            step_acc.append(masked_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), mask))
+        step_losses.append(loss_i.detach())
+        if return_logits:
+            step_logits.append(logits)
+    res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
+    if return_logits:
+        res.update(base_logits=base_logits, step_logits=step_logits)
+    return res
+
+
+def medusa_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
+                  decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
+    """Medusa: per-head cross-entropy against the ground-truth token k+2 ahead, weighted decay^k."""
+    logits = model.medusa_logits(out.hidden.detach())  # [K, b, s, V]
+    total = torch.zeros((), device=input_ids.device)
+    step_losses: List[torch.Tensor] = []
+    step_acc: List[torch.Tensor] = []
+    for k in range(logits.shape[0]):
+        target = shift_left(input_ids, k + 2)
+        mask = shifted_mask(loss_mask, k + 2)
+        ce = F.cross_entropy(logits[k].float().flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+        loss_k = masked_mean(ce, mask)
+        total = total + (decay ** k) * loss_k
+        step_losses.append(loss_k.detach())
+        with torch.no_grad():
+            step_acc.append(masked_mean((logits[k].argmax(-1) == target).float(), mask))
+    res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
+    if return_logits:
+        res.update(base_logits=out.logits.detach() if out.logits is not None else None,
+                   step_logits=list(logits.unbind(0)))
+    return res

@@ -1,0 +1,226 @@
+"""SpeculativeGPT: a frozen megatron-core GPTModel plus a trainable draft (EAGLE-1, EAGLE-3 or Medusa)."""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+
+from nemo_spec import parallel
+from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.models.attention import AttnContext, KVCache
+from nemo_spec.models.gpt import GPTOutput, gpt_forward
+from nemo_spec.speculative import losses
+from nemo_spec.speculative.eagle import EagleDraft
+from nemo_spec.speculative.medusa import MedusaHeads
+
+log = logging.getLogger(__name__)
+
+EAGLE_PREFIX = "eagle_module."
+MEDUSA_PREFIX = "medusa_heads."
+
+
+class SpeculativeGPT(MegatronModule):
+    """Base GPTModel (``gpt``, frozen) + draft (``draft``: EagleDraft registered as ``eagle_module`` or
+    MedusaHeads registered as ``medusa_heads``).
+
+    State dict keys: ``gpt.<plain GPTModel key>`` and ``eagle_module.*`` / ``medusa_heads.*``. The distributed
+    checkpoint (``sharded_state_dict``) stores the base under exactly the keys of a plain GPTModel checkpoint and
+    the draft under ``eagle_module.`` / ``medusa_heads.``.
+    """
+
+    def __init__(self, gpt: GPTModel, spec_config: SpeculativeConfig, model_config: ModelConfig) -> None:
+        super().__init__(config=gpt.config)
+        self.gpt = gpt
+        self.spec_config = spec_config
+        self.model_config = model_config
+        self.nemo_spec_config = model_config
+        for p in self.gpt.parameters():
+            p.requires_grad_(False)
+        self.gpt.eval()
+        if spec_config.algorithm == "medusa":
+            self.medusa_heads = MedusaHeads(model_config, spec_config, gpt)
+        else:
+            self.eagle_module = EagleDraft(model_config, spec_config, gpt)
+        self._aux_layers = (spec_config.resolved_aux_layers(model_config.num_layers)
+                            if spec_config.algorithm == "eagle3" else [])
+        log.info("speculative draft %s attached: %d trainable parameters (base frozen, %d parameters)",
+                 spec_config.algorithm, self.num_draft_parameters(), sum(p.numel() for p in gpt.parameters()))
+
+    # ---- structure ------------------------------------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        """'eagle1', 'eagle3' or 'medusa'."""
+        return self.spec_config.algorithm
+
+    @property
+    def draft(self):
+        """The draft module (EagleDraft or MedusaHeads)."""
+        return self.medusa_heads if self.algorithm == "medusa" else self.eagle_module
+
+    @property
+    def draft_prefix(self) -> str:
+        """Checkpoint/state-dict prefix of the draft: 'eagle_module.' or 'medusa_heads.'."""
+        return MEDUSA_PREFIX if self.algorithm == "medusa" else EAGLE_PREFIX
+
+    @property
+    def is_eagle(self) -> bool:
+        """Whether the draft is an EAGLE head (chain/tree drafting via draft_step)."""
+        return self.algorithm in ("eagle1", "eagle3")
+
+    def draft_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The trainable draft parameters (no base parameters)."""
+        return self.draft.parameters()
+
+    def num_draft_parameters(self) -> int:
+        """Number of draft parameter elements on this TP rank."""
+        return sum(p.numel() for p in self.draft_parameters())
+
+    def train(self, mode: bool = True) -> "SpeculativeGPT":
+        """Train/eval the draft; the frozen base always stays in eval mode."""
+        super().train(mode)
+        self.gpt.eval()
+        return self
+
+    # ---- base side ------------------------------------------------------------------------------------------
+    @property
+    def aux_layers(self) -> List[int]:
+        """EAGLE-3: base layers (0-based) whose outputs feed the draft, in feature order; [] otherwise.
+
+        Pass as ``gpt_forward(aux_layers=...)``; duplicates (shallow bases) are fine, base_features maps them.
+        """
+        return list(self._aux_layers)
+
+    def base_forward(self, input_ids: torch.Tensor, ctx: Optional[AttnContext] = None, compute_logits: bool = True,
+                     gather: bool = True) -> GPTOutput:
+        """Base forward with the auxiliary layers this draft needs."""
+        return gpt_forward(self.gpt, input_ids, ctx, aux_layers=self.aux_layers, compute_logits=compute_logits,
+                           gather=gather)
+
+    def base_features(self, out: GPTOutput) -> torch.Tensor:
+        """Draft input features [b, s, F] from a base forward (EAGLE-3: cat of aux hiddens [b, s, 3h])."""
+        if self.algorithm != "eagle3":
+            return out.hidden
+        uniq = sorted(set(self._aux_layers))
+        if len(out.aux_hidden) != len(uniq):
+            raise ValueError(f"base output has {len(out.aux_hidden)} auxiliary hidden states, expected {len(uniq)} "
+                             f"(run gpt_forward with aux_layers={self._aux_layers})")
+        by_layer = dict(zip(uniq, out.aux_hidden))
+        return torch.cat([by_layer[i] for i in self._aux_layers], dim=-1)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused feature [b, s, h]: EAGLE-3 fc(3h -> h); identity for EAGLE-1 / Medusa."""
+        if self.algorithm != "eagle3":
+            return features
+        return self.eagle_module.fc(features.to(self.eagle_module.fc.weight.dtype))
+
+    # ---- draft side -----------------------------------------------------------------------------------------
+    def draft_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: Optional[AttnContext] = None,
+                   gather: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One EAGLE pass: row t pairs feature f_t with token x_{t+1}; returns (out_hidden [b,s,h], logits [b,s,Vd])."""
+        if not self.is_eagle:
+            raise TypeError(f"draft_step is for EAGLE drafts, this model's draft is {self.algorithm}")
+        return self.eagle_module(self.gpt, input_ids, hidden, ctx, gather=gather)
+
+    def medusa_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Medusa logits [K, b, s, V] for base final hidden [b, s, h]; head k at t predicts x_{t+k+2}."""
+        if self.algorithm != "medusa":
+            raise TypeError(f"medusa_logits needs a Medusa draft, this model's draft is {self.algorithm}")
+        return self.medusa_heads(hidden, gather=gather)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Size Vd of the draft's output vocabulary (base vocab unless EAGLE-3 with a reduced vocab)."""
+        return self.eagle_module.draft_vocab_size if self.algorithm == "eagle3" else self.model_config.vocab_size
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        """Offsets [Vd] with base_id = draft_id + d2t[draft_id] (zeros unless EAGLE-3 with a reduced vocab)."""
+        if self.algorithm == "eagle3":
+            return self.eagle_module.d2t
+        dev = next(self.gpt.parameters()).device
+        return torch.zeros(self.model_config.vocab_size, dtype=torch.long, device=dev)
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        """Bool [V]: base tokens present in the draft vocabulary."""
+        return self.draft_vocab_mask()
+
+    def draft_vocab_mask(self) -> torch.Tensor:
+        """Bool [V]: base tokens present in the draft vocabulary."""
+        if self.algorithm == "eagle3":
+            return self.eagle_module.t2d
+        dev = next(self.gpt.parameters()).device
+        return torch.ones(self.model_config.vocab_size, dtype=torch.bool, device=dev)
+
+    def draft_vocab_ids(self) -> torch.Tensor:
+        """Base token id of each draft-vocab entry, LongTensor [Vd]."""
+        d2t = self.d2t
+        return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    def draft_to_base_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab token ids to base-vocab ids (identity unless EAGLE-3 with a reduced vocab)."""
+        if self.algorithm != "eagle3":
+            return ids
+        d2t = self.eagle_module.d2t
+        return ids + d2t.to(ids.device)[ids]
+
+    def set_draft_vocab(self, token_counts: torch.Tensor, reinit_head: bool = True) -> None:
+        """EAGLE-3: choose the draft vocabulary as the most frequent tokens of ``token_counts`` [V] (call before training)."""
+        if self.algorithm != "eagle3":
+            raise TypeError(f"set_draft_vocab needs an EAGLE-3 draft, this model's draft is {self.algorithm}")
+        self.eagle_module.set_draft_vocab(token_counts, self.gpt, reinit_head=reinit_head)
+
+    def new_draft_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+        """A KV cache for the draft's own decoder layers on this TP rank."""
+        if not self.is_eagle:
+            raise TypeError(f"a draft KV cache is for EAGLE drafts, this model's draft is {self.algorithm}")
+        cfg = self.model_config
+        p = next(self.eagle_module.parameters())
+        return KVCache(self.eagle_module.num_layers, batch_size, max_len, cfg.num_query_groups // parallel.tp_size(),
+                       cfg.head_dim, dtype or p.dtype, p.device)
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def training_losses(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                        base_out: Optional[GPTOutput] = None, decay: float = 0.8, ttt_steps: Optional[int] = None,
+                        eagle1_ce_weight: float = 0.1, return_logits: bool = False) -> Dict[str, object]:
+        """Draft losses for a batch: {"loss", "step_losses", "step_acc", (+ "base_logits", "step_logits")}.
+
+        ``loss_mask[b, p]`` marks tokens that are training targets (default: all). The base runs under no_grad
+        unless ``base_out`` (offline mode: gathered logits, final hidden, aux hiddens for EAGLE-3) is given.
+        """
+        if loss_mask is None:
+            loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if loss_mask.shape != input_ids.shape:
+            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        out = base_out if base_out is not None else losses.base_outputs(self, input_ids)
+        if self.algorithm == "eagle1":
+            return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
+                                        return_logits=return_logits)
+        if self.algorithm == "eagle3":
+            return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
+                                        decay=decay, return_logits=return_logits)
+        return losses.medusa_losses(self, input_ids, loss_mask, out, decay=decay, return_logits=return_logits)
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                base_out: Optional[GPTOutput] = None, **kwargs) -> Dict[str, object]:
+        """Same as :meth:`training_losses`."""
+        return self.training_losses(input_ids, loss_mask, base_out, **kwargs)
+
+    # ---- checkpointing --------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Base under plain-GPTModel checkpoint keys, draft under 'eagle_module.' / 'medusa_heads.'.
+
+        Dict keys follow ``state_dict()`` (``gpt.*``) so that ``load_state_dict`` accepts what
+        ``dist_checkpointing.load`` returns.
+        """
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        base = self.gpt.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        out = {f"{prefix}gpt.{k[len(prefix):]}": v for k, v in base.items()}
+        name = self.draft_prefix
+        out.update(self.draft.sharded_state_dict(prefix=f"{prefix}{name}", sharded_offsets=sharded_offsets,
+                                                 metadata=metadata))
+        return out

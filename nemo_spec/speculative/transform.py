@@ -1,0 +1,202 @@
+"""SpeculativeTransform: attach an EAGLE-1 / EAGLE-3 / Medusa draft to a megatron-core GPTModel.
+
+Two spellings::
+
+    SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)      # NeMo's (EAGLE defaults to eagle3)
+    SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, draft_vocab_size=32000)
+
+``transform(model)`` accepts a GPTModel (returns a SpeculativeGPT), a SpeculativeGPT (idempotent no-op for the
+same draft; refuses a different one), or any module (e.g. a LightningModule) holding one of those as a
+submodule, which is swapped in place (the holder is returned).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from nemo_spec import parallel
+from nemo_spec.config import ALGORITHMS, ConfigError, ModelConfig, SpeculativeConfig
+from nemo_spec.speculative.model import SpeculativeGPT
+
+log = logging.getLogger(__name__)
+
+# Fields that define the draft's architecture: a second transform must agree on these.
+ARCH_FIELDS = ("algorithm", "num_eagle_layers", "num_medusa_heads", "num_medusa_layers", "draft_vocab_size",
+               "aux_layers")
+
+
+def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
+                    num_medusa_layers: Optional[int], draft_vocab_size: Optional[int],
+                    aux_layers: Optional[List[int]], ttt_steps: Optional[int]) -> SpeculativeConfig:
+    """Build a SpeculativeConfig from either spelling, raising ConfigError on contradictions."""
+    for name, v in (("num_eagle_layers", num_eagle_layers), ("num_medusa_heads", num_medusa_heads),
+                    ("num_medusa_layers", num_medusa_layers), ("draft_vocab_size", draft_vocab_size),
+                    ("ttt_steps", ttt_steps)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"SpeculativeTransform: {name} must be a non-negative int, got {v!r}")
+    eagle = num_eagle_layers or 0
+    medusa = num_medusa_heads or 0
+    if algorithm is None:
+        if eagle > 0 and medusa > 0:
+            raise ConfigError(f"SpeculativeTransform: both EAGLE (num_eagle_layers={eagle}) and Medusa "
+                              f"(num_medusa_heads={medusa}) requested; choose one")
+        if eagle == 0 and medusa == 0:
+            raise ConfigError("SpeculativeTransform: neither EAGLE nor Medusa requested "
+                              f"(num_eagle_layers={num_eagle_layers!r}, num_medusa_heads={num_medusa_heads!r}); "
+                              "set one of them > 0 or pass algorithm=")
+        algorithm = "eagle3" if eagle > 0 else "medusa"
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"SpeculativeTransform: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if algorithm == "medusa":
+        if eagle > 0:
+            raise ConfigError(f"SpeculativeTransform: algorithm='medusa' but num_eagle_layers={eagle} also requested")
+        if num_medusa_heads is not None and num_medusa_heads == 0:
+            raise ConfigError("SpeculativeTransform: num_medusa_heads must be > 0 for medusa, got 0")
+        if aux_layers is not None:
+            raise ConfigError("SpeculativeTransform: aux_layers is only used by eagle3")
+    else:
+        if medusa > 0:
+            raise ConfigError(f"SpeculativeTransform: algorithm={algorithm!r} but num_medusa_heads={medusa} also "
+                              "requested; choose one")
+        if num_eagle_layers is not None and num_eagle_layers == 0:
+            raise ConfigError(f"SpeculativeTransform: num_eagle_layers must be > 0 for {algorithm}, got 0")
+        if algorithm == "eagle1" and aux_layers is not None:
+            raise ConfigError("SpeculativeTransform: aux_layers is only used by eagle3")
+    if num_medusa_layers is not None and num_medusa_layers == 0:
+        raise ConfigError("SpeculativeTransform: num_medusa_layers must be > 0, got 0")
+    if draft_vocab_size is not None and algorithm != "eagle3":
+        raise ConfigError(f"SpeculativeTransform: draft_vocab_size is only used by eagle3, not {algorithm}")
+    if draft_vocab_size == 0:
+        raise ConfigError("SpeculativeTransform: draft_vocab_size must be > 0, got 0")
+    defaults = SpeculativeConfig()
+    cfg = SpeculativeConfig(
+        algorithm=algorithm,
+        num_eagle_layers=(num_eagle_layers or defaults.num_eagle_layers) if algorithm != "medusa" else 0,
+        num_medusa_heads=(num_medusa_heads or defaults.num_medusa_heads) if algorithm == "medusa" else 0,
+        num_medusa_layers=num_medusa_layers or defaults.num_medusa_layers,
+        draft_vocab_size=draft_vocab_size,
+        aux_layers=list(aux_layers) if aux_layers is not None else None,
+        ttt_steps=ttt_steps or defaults.ttt_steps,
+    )
+    return cfg.validate()
+
+
+class SpeculativeTransform:
+    """Callable that turns a GPTModel (or a module holding one) into a base + draft SpeculativeGPT."""
+
+    def __init__(self, algorithm: Optional[str] = None, num_eagle_layers: Optional[int] = None,
+                 num_medusa_heads: Optional[int] = None, num_medusa_layers: Optional[int] = None,
+                 draft_vocab_size: Optional[int] = None, aux_layers: Optional[List[int]] = None,
+                 ttt_steps: Optional[int] = None, config: Optional[SpeculativeConfig] = None) -> None:
+        if config is not None:
+            given = {k: v for k, v in dict(algorithm=algorithm, num_eagle_layers=num_eagle_layers,
+                                           num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
+                                           draft_vocab_size=draft_vocab_size, aux_layers=aux_layers,
+                                           ttt_steps=ttt_steps).items() if v is not None}
+            if given:
+                raise ConfigError(f"SpeculativeTransform: pass either config= or keyword settings, not both "
+                                  f"(got config and {sorted(given)})")
+            if not isinstance(config, SpeculativeConfig):
+                raise ConfigError(f"SpeculativeTransform: config must be a SpeculativeConfig, got {type(config).__name__}")
+            self.config = copy.deepcopy(config).validate()
+        else:
+            self.config = _resolve_config(algorithm, num_eagle_layers, num_medusa_heads, num_medusa_layers,
+                                          draft_vocab_size, aux_layers, ttt_steps)
+
+    def __repr__(self) -> str:
+        return f"SpeculativeTransform({self.config})"
+
+    def validate_for(self, model_config: ModelConfig, tp_size: int) -> SpeculativeConfig:
+        """Check this draft against the base architecture and TP size (before any heavy work); returns a copy."""
+        cfg = copy.deepcopy(self.config).validate(model_config)
+        model_config.check_tensor_parallel(tp_size)
+        if cfg.algorithm == "eagle3":
+            vd = cfg.draft_vocab_size or model_config.vocab_size
+            if vd % tp_size:
+                raise ConfigError(f"tensor parallel size {tp_size} does not divide draft_vocab_size={vd} "
+                                  "(the EAGLE-3 head is vocab-parallel)")
+        return cfg
+
+    def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Attach the draft; see the module docstring for what ``model`` may be."""
+        if isinstance(model, SpeculativeGPT):
+            return self._reapply(model)
+        if isinstance(model, GPTModel):
+            return self._transform_gpt(model)
+        parent, name, found = _find_holder(model)
+        if found is None:
+            raise TypeError(f"SpeculativeTransform: no megatron-core GPTModel found inside {type(model).__name__} "
+                            "(apply it after the model is built, e.g. in configure_model)")
+        new = self._reapply(found) if isinstance(found, SpeculativeGPT) else self._transform_gpt(found)
+        if new is not found:
+            setattr(parent, name, new)
+            log.info("replaced %s.%s with a SpeculativeGPT", type(parent).__name__, name)
+        return model
+
+    def _reapply(self, model: SpeculativeGPT) -> SpeculativeGPT:
+        """Idempotence: same draft -> no-op; a different draft/algorithm -> ConfigError (no stacking)."""
+        old, new = model.spec_config, self.config
+        if old.algorithm != new.algorithm:
+            raise ConfigError(f"model already carries a {old.algorithm} draft; refusing to stack {new.algorithm} on it")
+        new_checked = self.validate_for(model.model_config, parallel.tp_size())
+        diff = [f for f in ARCH_FIELDS if getattr(old, f) != getattr(new_checked, f)
+                and not (f == "aux_layers" and new_checked.aux_layers is None)
+                and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)]
+        if diff:
+            detail = ", ".join(f"{f}: {getattr(old, f)!r} -> {getattr(new_checked, f)!r}" for f in diff)
+            raise ConfigError(f"model already carries a {old.algorithm} draft with a different shape ({detail})")
+        if old.ttt_steps != new_checked.ttt_steps:
+            log.info("speculative transform re-applied: ttt_steps %d -> %d", old.ttt_steps, new_checked.ttt_steps)
+            model.spec_config = dataclasses.replace(old, ttt_steps=new_checked.ttt_steps)
+        return model
+
+    def _transform_gpt(self, gpt: GPTModel) -> SpeculativeGPT:
+        """Build the draft for a plain GPTModel."""
+        model_config = getattr(gpt, "nemo_spec_config", None)
+        if model_config is None:
+            model_config = model_config_from_megatron(gpt)
+        cfg = self.validate_for(model_config, parallel.tp_size())
+        return SpeculativeGPT(gpt, cfg, model_config)
+
+
+def _find_holder(root: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], str, Optional[torch.nn.Module]]:
+    """(parent, attribute, module) of the first SpeculativeGPT or GPTModel inside ``root``."""
+    for qual, mod in root.named_modules():
+        if isinstance(mod, (SpeculativeGPT, GPTModel)) and qual:
+            parent_name, _, leaf = qual.rpartition(".")
+            parent = root.get_submodule(parent_name) if parent_name else root
+            return parent, leaf, mod
+    return None, "", None
+
+
+def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
+    """Best-effort ModelConfig for a GPTModel not built by nemo_spec (e.g. NeMo 2's ``module``)."""
+    import torch.nn.functional as F
+
+    c = gpt.config
+    tp = c.tensor_model_parallel_size
+    vocab = getattr(gpt, "vocab_size", None) or gpt.embedding.word_embeddings.weight.shape[0] * tp
+    rope = getattr(gpt, "position_embedding_type", "rope") == "rope"
+    rope_base = 10000.0
+    if rope and getattr(gpt, "rotary_pos_emb", None) is not None:
+        inv = gpt.rotary_pos_emb.inv_freq
+        if inv.numel() > 1:  # inv_freq[1] = base^(-2/d)
+            rope_base = float(inv[1].double() ** (-c.kv_channels / 2.0))
+    if c.gated_linear_unit:
+        activation = "swiglu"
+    else:
+        activation = "gelu_exact" if c.activation_func is F.gelu else "gelu"
+    return ModelConfig(
+        vocab_size=int(vocab), hidden_size=c.hidden_size, num_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads, ffn_hidden_size=c.ffn_hidden_size,
+        num_query_groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+        max_position_embeddings=int(getattr(gpt, "max_sequence_length", 2048)),
+        family="llama" if rope else "gpt2", normalization=c.normalization, norm_eps=c.layernorm_epsilon,
+        activation=activation, position_embedding="rope" if rope else "learned", rope_theta=round(rope_base, 3),
+        add_bias_linear=c.add_bias_linear, add_qkv_bias=bool(getattr(c, "add_qkv_bias", False)),
+        tie_word_embeddings=gpt.share_embeddings_and_output_weights, init_method_std=c.init_method_std)
