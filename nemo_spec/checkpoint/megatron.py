@@ -1,0 +1,505 @@
+"""Megatron distributed checkpoints (``torch_dist``) with a self-describing config, and format dispatch for loading.
+
+A checkpoint written by :func:`save_checkpoint` is a directory holding exactly what
+``megatron.core.dist_checkpointing.save`` writes (``common.pt``, ``__<rank>_<thread>.distcp``,
+``.metadata``, ``metadata.json``) plus ``nemo_spec_config.json`` (model config, optional
+speculative config, the TP size it was saved with) and, optionally, ``tokenizer/``.
+Tensors are stored with their global shapes, so any saved TP size loads at any current TP size.
+
+:func:`load_model` also accepts Megatron-LM checkpoint directories (legacy ``mp_rank_XX`` files and
+``torch_dist`` iteration directories, see :mod:`nemo_spec.checkpoint.legacy`) and Hugging Face
+directories (``nemo_spec.checkpoint.hf.load_hf``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from nemo_spec import parallel
+from nemo_spec._cpu import apply_cpu_workarounds
+from nemo_spec.config import ConfigError, ModelConfig, SpeculativeConfig, dump_json
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "nemo_spec_config.json"
+TOKENIZER_SUBDIR = "tokenizer"
+FORMAT_NAME = "nemo_spec"
+DIST_METADATA = "metadata.json"  # written last by megatron dist_checkpointing
+TEMP_SUFFIX = ".nemo_spec-partial"
+OLD_SUFFIX = ".nemo_spec-old"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json", "vocab.txt")
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is missing, unrecognised, incomplete or inconsistent; the message names the file."""
+
+
+class CheckpointConfigError(CheckpointError, ConfigError):
+    """A checkpoint's config is invalid for this model/TP size (both a CheckpointError and a ConfigError)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# small distributed helpers (all no-ops without torch.distributed)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _barrier() -> None:
+    if _dist():
+        torch.distributed.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """Collective AND of ``ok`` over all ranks (so one rank's failure stops every rank instead of hanging)."""
+    if not _dist():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64,
+                        device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# format detection
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_dir(path: PathLike) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint directory {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is not a directory")
+    if p.name.endswith(TEMP_SUFFIX) or p.name.endswith(OLD_SUFFIX):
+        raise CheckpointError(f"{p} is the temporary directory of an unfinished (or interrupted) save, "
+                              f"not a checkpoint")
+    return p
+
+
+def detect_format(path: PathLike) -> str:
+    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist' or 'hf'."""
+    p = _check_dir(path)
+    if (p / CONFIG_NAME).is_file():
+        return FORMAT_NAME
+    from nemo_spec.checkpoint import legacy
+
+    kind = legacy.detect(p)
+    if kind is not None:
+        return kind
+    cfg_json = p / "config.json"
+    if cfg_json.is_file():
+        try:
+            hf_cfg = json.loads(cfg_json.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{cfg_json}: not valid JSON ({e})") from e
+        if isinstance(hf_cfg, dict) and hf_cfg.get("architectures"):
+            return "hf"
+        raise CheckpointError(f"{cfg_json} has no 'architectures' field, so {p} is not a Hugging Face model "
+                              f"directory")
+    found = sorted(x.name for x in p.iterdir())[:12]
+    if (p / DIST_METADATA).is_file():
+        raise CheckpointError(
+            f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME} "
+            f"and its common.pt holds no Megatron-LM 'args'")
+    raise CheckpointError(
+        f"unrecognised checkpoint directory {p}: looked for {CONFIG_NAME} (nemo_spec torch_dist), "
+        f"latest_checkpointed_iteration.txt / iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt (Megatron-LM), "
+        f"config.json with 'architectures' (Hugging Face); found {found}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config / tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+def _read_own_config(p: Path) -> Dict[str, Any]:
+    f = p / CONFIG_NAME
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: cannot read checkpoint config ({e})") from e
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{f}: field 'format' must be {FORMAT_NAME!r}, got {cfg.get('format') if isinstance(cfg, dict) else cfg!r}")
+    if not isinstance(cfg.get("model"), dict):
+        raise CheckpointError(f"{f}: field 'model' (the ModelConfig) is missing")
+    if not (p / DIST_METADATA).is_file():
+        raise CheckpointError(f"{p} is incomplete: {DIST_METADATA} (written last by dist_checkpointing) is missing")
+    return cfg
+
+
+def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
+    """The checkpoint's config dict: {"format", "model": ModelConfig dict, ["speculative"], "tp_size_saved", ...}."""
+    p = Path(path).expanduser()
+    fmt = detect_format(p)
+    if fmt == FORMAT_NAME:
+        return _read_own_config(p)
+    if fmt in ("megatron_legacy", "megatron_dist"):
+        from nemo_spec.checkpoint import legacy
+
+        return legacy.read_config(p)
+    hf = _import_hf()
+    hf_cfg = json.loads((p / "config.json").read_text())
+    cfg = hf.hf_to_model_config(hf_cfg, str(p / "config.json"))
+    return {"format": "hf", "model": cfg.to_dict(), "architectures": hf_cfg.get("architectures")}
+
+
+def model_config_from(cfg: Dict[str, Any], source: str) -> ModelConfig:
+    """Build the ModelConfig stored in a checkpoint config dict (errors name ``source``)."""
+    try:
+        return ModelConfig.from_dict(cfg["model"], source=f"{source}: field 'model'")
+    except ConfigError as e:
+        raise CheckpointConfigError(str(e)) from e
+
+
+def speculative_config_from(cfg: Dict[str, Any], model_cfg: ModelConfig, source: str) -> Optional[SpeculativeConfig]:
+    """The SpeculativeConfig stored in a checkpoint config dict, or None."""
+    spec = cfg.get("speculative")
+    if not spec:
+        return None
+    try:
+        return SpeculativeConfig.from_dict(spec, source=f"{source}: field 'speculative'").validate(model_cfg)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointConfigError(f"{source}: field 'speculative': {e}") from e
+
+
+def check_tp(cfg: ModelConfig, tp: int, source: str) -> None:
+    """Raise CheckpointConfigError (naming ``source``) if TP size ``tp`` cannot shard ``cfg``."""
+    try:
+        cfg.check_tensor_parallel(tp)
+        if cfg.vocab_size % tp:
+            raise ConfigError(f"tensor parallel size {tp} does not divide vocab_size={cfg.vocab_size}")
+    except ConfigError as e:
+        raise CheckpointConfigError(f"{source}: {e}") from e
+
+
+def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
+    """The directory holding the checkpoint's tokenizer files, or None."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return None
+    for cand in (p / TOKENIZER_SUBDIR, p / "context" / "nemo_tokenizer", p):
+        if cand.is_dir() and any((cand / f).is_file() for f in TOKENIZER_FILES):
+            return cand
+    try:
+        fmt = detect_format(p)
+    except CheckpointError:
+        return None
+    if fmt in ("megatron_legacy", "megatron_dist"):
+        from nemo_spec.checkpoint import legacy
+
+        return legacy.find_tokenizer_dir(p)
+    return None
+
+
+def _copy_tokenizer(src: PathLike, dst: Path) -> None:
+    src = Path(src).expanduser()
+    if not src.is_dir():
+        raise CheckpointError(f"tokenizer_dir {src} is not a directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+            n += 1
+    if n == 0:
+        raise CheckpointError(f"tokenizer_dir {src} holds no files")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+def _is_speculative(m: torch.nn.Module) -> bool:
+    return hasattr(m, "spec_config") and hasattr(m, "gpt") and hasattr(m, "sharded_state_dict")
+
+
+def _checkpoint_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose sharded_state_dict() is saved: a SpeculativeGPT or the GPTModel (unwrapping wrappers)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from nemo_spec.models import unwrap
+
+    m = model
+    for _ in range(8):
+        if _is_speculative(m) or isinstance(m, GPTModel):
+            return m
+        nxt = getattr(m, "module", None) or getattr(m, "model", None)
+        if not isinstance(nxt, torch.nn.Module):
+            break
+        m = nxt
+    return unwrap(model)
+
+
+def _params_dtype(m: torch.nn.Module) -> torch.dtype:
+    for p in m.parameters():
+        return p.dtype
+    return torch.float32
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save
+# ----------------------------------------------------------------------------------------------------------------
+
+def _save_strategy():
+    """Synchronous torch_dist save strategy (works on gloo/CPU and nccl/GPU)."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    return get_default_save_sharded_strategy("torch_dist", 1)
+
+
+def _write_config(tmp: Path, cfg: Dict[str, Any]) -> None:
+    """Write nemo_spec_config.json (the last file of a checkpoint) into the temp dir."""
+    f = tmp / CONFIG_NAME
+    f.write_text(dump_json(cfg))
+
+
+def _commit(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Atomically move the finished temp dir to ``target`` (replacing an old one only when ``overwrite``)."""
+    old = None
+    if target.exists():
+        if not overwrite:
+            raise CheckpointError(f"{target} appeared while saving; not replacing it (overwrite=False)")
+        old = target.with_name(target.name + OLD_SUFFIX)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optional[PathLike] = None,
+                    extra: Optional[Dict[str, Any]] = None, overwrite: bool = False) -> Path:
+    """Save ``model`` (GPTModel or SpeculativeGPT, any TP) as a torch_dist checkpoint dir; all ranks must call it.
+
+    Written atomically: everything goes to a temporary sibling directory that rank 0 renames to ``path``
+    once every rank has finished. An existing ``path`` is replaced only when ``overwrite`` is True.
+    """
+    from megatron.core import dist_checkpointing
+
+    apply_cpu_workarounds()
+    target = Path(path).expanduser().absolute()
+    module = _checkpoint_module(model)
+    from nemo_spec.models import model_config
+
+    cfg = model_config(module)
+    if target.exists() and not overwrite:
+        raise CheckpointError(f"{target} already exists; pass overwrite=True to replace it")
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    if tokenizer_dir is not None and not Path(tokenizer_dir).expanduser().is_dir():
+        raise CheckpointError(f"tokenizer_dir {tokenizer_dir} is not a directory")
+    meta: Dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "model": cfg.to_dict(),
+        "tp_size_saved": parallel.tp_size(),
+        "params_dtype": str(_params_dtype(module)).replace("torch.", ""),
+        "checkpoint_format": "torch_dist",
+    }
+    if _is_speculative(module):
+        meta["speculative"] = module.spec_config.to_dict()
+    for k, v in (extra or {}).items():
+        if k in meta:
+            raise CheckpointError(f"extra key {k!r} would overwrite a reserved {CONFIG_NAME} field")
+        meta[k] = v
+    json.dumps(meta)  # fail early (before writing anything) on non-JSON extras
+    sharded_sd = module.sharded_state_dict()
+    tmp = target.with_name(target.name + TEMP_SUFFIX)
+    _barrier()  # every rank has checked the target before anyone writes
+    rank0 = parallel.is_rank_zero()
+    err: Optional[BaseException] = None
+    try:
+        if rank0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                log.warning("removing stale temporary directory %s from an interrupted save", tmp)
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+    except BaseException as e:  # noqa: BLE001 - re-raised below after all ranks agree
+        err = e
+    if not _all_ok(err is None):
+        raise err if err is not None else CheckpointError(f"rank 0 could not create {tmp}")
+    try:
+        dist_checkpointing.save(sharded_sd, str(tmp), sharded_strategy=_save_strategy())
+        if rank0:
+            if tokenizer_dir is not None:
+                _copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
+            _write_config(tmp, meta)
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    ok = _all_ok(err is None)
+    if ok and rank0:
+        try:
+            _commit(tmp, target, overwrite)
+        except BaseException as e:  # noqa: BLE001
+            err = e
+    ok = _all_ok(ok and err is None)
+    if not ok:
+        if rank0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if err is not None:
+            raise err
+        raise CheckpointError(f"saving {target} failed on another rank; nothing was written")
+    log.info("saved %s checkpoint to %s (tp=%d)", FORMAT_NAME, target, parallel.tp_size())
+    return target
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# load
+# ----------------------------------------------------------------------------------------------------------------
+
+def _import_hf():
+    try:
+        from nemo_spec.checkpoint import hf
+    except ImportError as e:
+        raise CheckpointError(f"Hugging Face checkpoint support (nemo_spec.checkpoint.hf) is unavailable: {e}") from e
+    return hf
+
+
+def _target_tp(tp_size: Optional[int]) -> int:
+    if tp_size is not None:
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise CheckpointConfigError(f"tp_size must be a positive int, got {tp_size!r}")
+        return tp_size
+    return parallel.tp_size()
+
+
+def _ensure_parallel(tp: int) -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel.tp_size() != tp:
+        parallel.initialize(tensor_parallel_size=tp)
+
+
+def build_for_checkpoint(cfg: ModelConfig, spec: Optional[SpeculativeConfig], dtype: torch.dtype,
+                         source: str) -> torch.nn.Module:
+    """Build the (TP-sharded) base model and, when ``spec`` is given, apply SpeculativeTransform to it."""
+    from nemo_spec.models import build_gpt
+
+    base = build_gpt(cfg, params_dtype=dtype)
+    if spec is None:
+        return base
+    try:
+        from nemo_spec.speculative import SpeculativeTransform
+    except ImportError as e:
+        raise CheckpointError(f"{source} holds a {spec.algorithm} draft but nemo_spec.speculative is unavailable: "
+                              f"{e}") from e
+    return SpeculativeTransform(config=spec)(base)
+
+
+def _flat_sharded_tensors(sharded_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """ShardedTensors of a (factory-applied) sharded state dict, by checkpoint key (first occurrence)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    out: Dict[str, Any] = {}
+    for v in nested_values(sharded_sd):
+        if isinstance(v, ShardedTensor):
+            out.setdefault(v.key, v)
+    return out
+
+
+def check_sharded_shapes(sharded_sd: Dict[str, Any], ckpt_dir: Path, source: str) -> None:
+    """Compare the model's global tensor shapes with the checkpoint's metadata; raise naming the tensor and shapes."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    except Exception as e:  # noqa: BLE001 - any reader failure means an unreadable checkpoint
+        raise CheckpointError(f"{ckpt_dir}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from e
+    probe = dict_list_map_outplace(lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_sd)
+    want = _flat_sharded_tensors(probe)
+    missing = sorted(k for k in want if k not in meta)
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: tensor(s) {missing[:6]} required by the model built from {source} are "
+                              f"not in the checkpoint")
+    for k, st in want.items():
+        got = tuple(meta[k].global_shape)
+        if got != tuple(st.global_shape):
+            raise CheckpointError(
+                f"{ckpt_dir}: tensor {k!r} has shape {got} in the checkpoint but {tuple(st.global_shape)} in the "
+                f"model built from {source}")
+    extra = sorted(k for k in meta if k not in want)
+    if extra:
+        log.warning("%s: ignoring %d checkpoint tensor(s) the model does not use, e.g. %s", ckpt_dir, len(extra),
+                    extra[:4])
+
+
+def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
+                   sharded_sd: Optional[Dict[str, Any]] = None,
+                   key_map: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None) -> None:
+    """Load a torch_dist checkpoint into ``module`` (any saved TP -> current TP), checking shapes first.
+
+    ``sharded_sd`` overrides ``module.sharded_state_dict()`` (e.g. re-keyed for a Megatron-LM checkpoint);
+    ``key_map`` maps the loaded state dict onto ``module.state_dict()`` names.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    if sharded_sd is None:
+        sharded_sd = module.sharded_state_dict()
+    check_sharded_shapes(sharded_sd, ckpt_dir, source)
+    loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
+    if key_map is not None:
+        loaded = key_map(loaded)
+    result = module.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: no value loaded for {missing[:6]}")
+
+
+def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype]) -> torch.nn.Module:
+    cfg_dict = _read_own_config(p)
+    source = str(p / CONFIG_NAME)
+    cfg = model_config_from(cfg_dict, source)
+    spec = speculative_config_from(cfg_dict, cfg, source)
+    tp = _target_tp(tp_size)
+    check_tp(cfg, tp, source)
+    if dtype is None:
+        dtype = _DTYPES.get(str(cfg_dict.get("params_dtype", "float32")), torch.float32)
+    _ensure_parallel(tp)
+    module = build_for_checkpoint(cfg, spec, dtype, source)
+    load_dist_into(module, p, source)
+    log.info("loaded %s checkpoint %s (saved at tp=%s) at tp=%d", FORMAT_NAME, p, cfg_dict.get("tp_size_saved"), tp)
+    return module
+
+
+def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM or Hugging Face checkpoint directory.
+
+    The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
+    when it differs); weights are resharded exactly from whatever TP size the checkpoint was saved with.
+    ``dtype`` defaults to the saved parameter dtype (float32 when unknown).
+    """
+    apply_cpu_workarounds()
+    p = Path(path).expanduser()
+    fmt = detect_format(p)
+    if fmt == FORMAT_NAME:
+        return _load_own(p, tp_size, dtype)
+    if fmt in ("megatron_legacy", "megatron_dist"):
+        from nemo_spec.checkpoint import legacy
+
+        return legacy.load_megatron_lm(p, tp_size=tp_size, dtype=dtype)
+    hf = _import_hf()
+    tp = _target_tp(tp_size)
+    cfg = read_checkpoint_config(p)
+    check_tp(model_config_from(cfg, str(p / "config.json")), tp, str(p / "config.json"))
+    _ensure_parallel(tp)
+    model = hf.load_hf(p)
+    if dtype is not None and _params_dtype(model) != dtype:
+        model = model.to(dtype)
+    return model
