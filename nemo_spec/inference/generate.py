@@ -1,0 +1,69 @@
+"""The one generation API for every method: ``generate(model, prompts, params, method=...)``."""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from nemo_spec.inference.engine import Engine, GenerationResult, OnTokens, run_generation
+from nemo_spec.inference.sampling import SamplingError, SamplingParams
+from nemo_spec.inference.speculative import METHODS, make_proposer
+
+log = logging.getLogger(__name__)
+
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
+
+
+def get_engine(model: torch.nn.Module) -> Engine:
+    """The engine (and its reusable KV caches) attached to ``model``."""
+    eng = _ENGINES.get(model)
+    if eng is None:
+        eng = Engine(model)
+        _ENGINES[model] = eng
+    return eng
+
+
+def _as_params(params: Union[SamplingParams, Sequence[SamplingParams], None], n: int) -> List[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise SamplingError(f"got {len(params)} SamplingParams for {n} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise SamplingError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+             params: Union[SamplingParams, Sequence[SamplingParams], None] = None, method: str = "ar",
+             draft_model: Optional[torch.nn.Module] = None, options: Optional[Dict[str, Any]] = None,
+             tokenizer: Any = None, on_tokens: Optional[OnTokens] = None) -> List[GenerationResult]:
+    """Generate continuations of token-id prompts with method ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup.
+
+    ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``medusa_choices``,
+    ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``, ``ignore_eos``).
+    ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row.
+    """
+    if method not in METHODS:
+        raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")
+    if isinstance(prompts, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise SamplingError("prompts must be a list of token-id lists (tokenize text first)")
+    prompts = [[int(t) for t in p] for p in prompts]
+    plist = _as_params(params, len(prompts))
+    options = dict(options or {})
+    engine = get_engine(model)
+    proposer = make_proposer(method, model, engine, draft_model, options)
+    was_training = model.training
+    model.eval()
+    if draft_model is not None:
+        draft_model.eval()
+    try:
+        return run_generation(engine, proposer, prompts, plist, options, tokenizer, on_tokens)
+    finally:
+        if was_training:
+            model.train()

@@ -1,0 +1,138 @@
+"""Token trees for verification: ancestor masks, cache-aware attention contexts, static Medusa trees.
+
+A verification block for one row is ``[root, node_1, ..., node_n]`` where the root is the last accepted
+token (not yet in the cache) and ``parents[i]`` (block index, -1 for the root) links the draft nodes.
+A chain is the tree whose node ``i`` has parent ``i - 1``. Rows of a batch may carry different trees
+(ragged), padded with invalid nodes that only attend to themselves and are never accepted.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_spec.models import AttnContext, KVCache
+from nemo_spec.inference.sampling import SamplingError
+
+Choice = Tuple[int, ...]
+
+#: A small static Medusa tree (paths of top-k ranks per head) that works with 3+ heads.
+DEFAULT_MEDUSA_CHOICES: List[Choice] = [
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+    (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
+]
+
+
+def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """anc [b, n, n] (True where j is an ancestor-or-self of i) and depth [b, n] from parents [b, n] (-1 = none)."""
+    b, n = parents.shape
+    dev = parents.device
+    anc = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
+    depth = torch.zeros(b, n, dtype=torch.long, device=dev)
+    rows = torch.arange(b, device=dev)
+    for i in range(n):
+        par = parents[:, i]
+        has = (par >= 0) & valid[:, i]
+        pi = par.clamp(min=0)
+        anc[:, i] = anc[rows, pi] & has[:, None]
+        anc[:, i, i] = True
+        depth[:, i] = torch.where(has, depth[rows, pi] + 1, torch.zeros_like(pi))
+    return anc, depth
+
+
+def chain_parents(b: int, n: int, device: torch.device) -> torch.Tensor:
+    """parents [b, n] of a chain (node i's parent is i - 1)."""
+    return (torch.arange(n, device=device) - 1)[None].expand(b, n).contiguous()
+
+
+def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_pos: int,
+                  prefix: Optional[torch.Tensor] = None) -> AttnContext:
+    """Context for a block of n new entries per row written after each row's committed cache entries.
+
+    ``prefix`` [b, n, S] optionally marks which of S earlier uncommitted entries (slots
+    ``lengths .. lengths+S``, e.g. draft-tree levels) each new entry attends to; the block then starts
+    at ``lengths + S``. ``depth`` [b, n] is the position offset of each entry after the committed ones.
+    """
+    b, n = depth.shape
+    dev = depth.device
+    S = 0 if prefix is None else prefix.shape[-1]
+    lengths, starts = cache.lengths, cache.starts
+    kv = int(lengths.max()) + S + n
+    if kv > cache.max_len:
+        raise SamplingError(f"KV cache overflow: need {kv} slots, cache has {cache.max_len}")
+    write = lengths[:, None] + S + torch.arange(n, device=dev)[None]
+    j = torch.arange(kv, device=dev)[None]
+    committed = (j >= starts[:, None]) & (j < lengths[:, None])
+    full = anc if prefix is None else torch.cat([prefix, anc], dim=-1)  # [b, n, S + n]
+    rel = j - lengths[:, None]
+    in_new = (rel >= 0) & (rel < S + n)
+    g = full.gather(2, rel.clamp(0, S + n - 1)[:, None, :].expand(b, n, kv))
+    mask = committed[:, None, :] | (g & in_new[:, None, :])
+    pos = ((lengths - starts)[:, None] + depth).clamp(max=max_pos - 1)
+    return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=kv)
+
+
+def prefill_context(cache: KVCache, prompt_lens: torch.Tensor, width: int) -> AttnContext:
+    """Context for left-padded prompts [b, width]: sets cache starts/lengths; pad queries attend to themselves."""
+    dev = prompt_lens.device
+    b = prompt_lens.shape[0]
+    if width > cache.max_len:
+        raise SamplingError(f"KV cache overflow: prompt width {width} > cache length {cache.max_len}")
+    starts = width - prompt_lens
+    cache.reset()
+    cache.starts.copy_(starts)
+    cache.lengths.copy_(starts)
+    i = torch.arange(width, device=dev)
+    mask = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] >= starts[:, None, None])
+    mask = mask | torch.eye(width, dtype=torch.bool, device=dev)[None]
+    pos = (i[None] - starts[:, None]).clamp(min=0)
+    write = i[None].expand(b, width)
+    return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=width)
+
+
+def children_lists(parents: Sequence[int], valid: Sequence[bool]) -> List[List[int]]:
+    """Per-node child lists (block indices, in order) for one row."""
+    kids: List[List[int]] = [[] for _ in range(len(parents))]
+    for i, (p, ok) in enumerate(zip(parents, valid)):
+        if ok and p >= 0:
+            kids[p].append(i)
+    return kids
+
+
+def validate_medusa_choices(choices: Sequence[Sequence[int]], num_heads: int) -> List[Choice]:
+    """Check a static Medusa tree (every prefix present, depth <= heads) and return it sorted by depth."""
+    out = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    if not out:
+        raise SamplingError("medusa_choices must not be empty")
+    have = set(out)
+    for c in out:
+        if not c or any(r < 0 for r in c):
+            raise SamplingError(f"medusa_choices entry {c} must be a non-empty path of ranks >= 0")
+        if len(c) > num_heads:
+            raise SamplingError(f"medusa_choices entry {c} is deeper than the {num_heads} Medusa heads")
+        if len(c) > 1 and c[:-1] not in have:
+            raise SamplingError(f"medusa_choices entry {c} lacks its prefix {c[:-1]}")
+    return out
+
+
+def medusa_tree(choices: Sequence[Choice]) -> Tuple[List[int], List[int], List[int]]:
+    """Static tree from validated choices: (parents (block index, root = 0), head index per node, rank per node)."""
+    index = {c: i + 1 for i, c in enumerate(choices)}
+    parents = [index[c[:-1]] if len(c) > 1 else 0 for c in choices]
+    heads = [len(c) - 1 for c in choices]
+    ranks = [c[-1] for c in choices]
+    return parents, heads, ranks
+
+
+def pad_chains(chains: Sequence[Sequence[int]], n: Optional[int] = None, pad: int = 0,
+               device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged token lists into tokens [b, n] and valid [b, n]."""
+    n = max((len(c) for c in chains), default=0) if n is None else n
+    tok = torch.full((len(chains), n), pad, dtype=torch.long)
+    val = torch.zeros(len(chains), n, dtype=torch.bool)
+    for r, c in enumerate(chains):
+        c = list(c)[:n]
+        if c:
+            tok[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+            val[r, : len(c)] = True
+    return tok.to(device), val.to(device)
