@@ -1,0 +1,395 @@
+"""Export a transformed model (base + draft) to the formats serving engines read, and import drafts back.
+
+An export directory holds::
+
+    base/              the base model as a Hugging Face directory (config.json, model.safetensors, tokenizer files,
+                       generation_config.json) written by nemo_spec.checkpoint.hf.export_hf
+    draft/             the draft in its reference layout: EAGLE-3 (LlamaForCausalLMEagle3), EAGLE-1 (EAGLE
+                       reference / vLLM EAGLE) or Medusa (FasterDecoding/Medusa medusa_lm_head.*)
+    draft_vllm/        Medusa only: the same heads in vLLM's Medusa layout
+    README.md          how to serve it with vLLM and SGLang (command lines with these paths)
+    export_info.json   what was exported, from which checkpoint, in which dtype
+
+Formats are documented in :mod:`nemo_spec.export.eagle` and :mod:`nemo_spec.export.medusa`. Every export is
+written into a temp directory next to the target and renamed into place when complete, so a failed export
+leaves nothing behind. Under tensor parallelism every rank calls the export (tensors are gathered across the TP
+group) and rank 0 writes.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from nemo_spec import parallel
+from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.export import eagle as eagle_fmt
+from nemo_spec.export import medusa as medusa_fmt
+from nemo_spec.export.formats import (
+    ExportError,
+    cast_tensors,
+    check_export_dir,
+    hf_dtype_name,
+    load_tensors,
+    parse_dtype,
+    read_json,
+    save_safetensors,
+    write_json,
+)
+from nemo_spec.export.readme import render_readme
+
+log = logging.getLogger(__name__)
+
+DRAFT_FORMATS = ("eagle3", "eagle1", "medusa")
+FORMATS = ("auto", "base") + DRAFT_FORMATS
+EXPORT_INFO = "export_info.json"
+
+PathLike = Union[str, os.PathLike]
+
+__all__ = ["ExportError", "FORMATS", "DRAFT_FORMATS", "export_model", "export_checkpoint", "import_draft",
+           "detect_draft_format", "draft_state_dict", "resolve_format"]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _is_speculative(model: torch.nn.Module) -> bool:
+    return hasattr(model, "spec_config") and hasattr(model, "draft") and hasattr(model, "gpt")
+
+
+def _unwrap_spec(model: torch.nn.Module) -> torch.nn.Module:
+    """The SpeculativeGPT (or plain GPTModel) inside Lightning/DDP wrappers."""
+    m = model
+    for _ in range(8):
+        if _is_speculative(m):
+            return m
+        nxt = getattr(m, "module", None) or getattr(m, "model", None)
+        if nxt is None or nxt is m:
+            break
+        m = nxt
+    return model
+
+
+def resolve_format(fmt: str, algorithm: Optional[str], source: str = "model") -> str:
+    """Validate ``fmt`` against the model's speculative algorithm ('auto' picks it); returns the format name."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {list(FORMATS)}")
+    if fmt == "base":
+        return fmt
+    if algorithm is None:
+        if fmt == "auto":
+            return "base"
+        raise ExportError(f"{source} has no draft (it was not transformed with SpeculativeTransform), so it cannot "
+                          f"be exported as a {fmt} draft; use format 'base' or transform and train it first")
+    if fmt == "auto":
+        return algorithm
+    if fmt != algorithm:
+        raise ExportError(f"{source} carries a {algorithm} draft; it cannot be exported as {fmt}")
+    return fmt
+
+
+def draft_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Full (TP-gathered, CPU) state dict of the model's draft module; every TP rank must call it.
+
+    Keys are the draft module's own names; TP merge rules are looked up under the checkpoint prefix
+    (``eagle_module.`` / ``medusa_heads.``) the speculative package registered them for.
+    """
+    from nemo_spec.checkpoint.tp import is_tensor_entry
+
+    spec = _unwrap_spec(model)
+    if not _is_speculative(spec):
+        raise ExportError(f"{type(model).__name__} has no draft")
+    prefix = spec.draft_prefix
+    local = {prefix + k: v.detach().cpu() for k, v in spec.draft.state_dict().items() if is_tensor_entry(k, v)}
+    local = _gather_tp(local, gated=spec.model_config.activation == "swiglu")
+    return {k[len(prefix):]: v for k, v in local.items()}
+
+
+def _load_draft_full(spec: torch.nn.Module, full: Dict[str, torch.Tensor]) -> None:
+    """Load a full draft state dict (draft-module names) into this rank's shard of the draft, strictly."""
+    from nemo_spec.checkpoint.tp import is_tensor_entry, split_state_dict
+
+    prefix = spec.draft_prefix
+    gated = spec.model_config.activation == "swiglu"
+    shard = split_state_dict({prefix + k: v for k, v in full.items()}, parallel.tp_rank(), parallel.tp_size(), gated)
+    shard = {k[len(prefix):]: v for k, v in shard.items()}
+    own = {k: v for k, v in spec.draft.state_dict().items() if is_tensor_entry(k, v)}
+    missing, unexpected = sorted(set(own) - set(shard)), sorted(set(shard) - set(own))
+    if missing or unexpected:
+        raise ExportError(f"draft tensors do not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for k, v in shard.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ExportError(f"draft tensor {k}: file shape {tuple(v.shape)} (TP shard) != model shape "
+                              f"{tuple(own[k].shape)}")
+    spec.draft.load_state_dict({k: v.to(own[k].dtype) for k, v in shard.items()}, strict=False)
+
+
+def _base_embedding(spec: torch.nn.Module) -> torch.Tensor:
+    """The base's full word-embedding table [V, h] (gathered over the vocab-parallel TP split)."""
+    key = "embedding.word_embeddings.weight"
+    w = spec.gpt.embedding.word_embeddings.weight.detach().cpu()
+    return _gather_tp({key: w}, gated=False)[key]
+
+
+def _gather_tp(local: Dict[str, torch.Tensor], gated: bool) -> Dict[str, torch.Tensor]:
+    """Merge per-rank TP shards of ``local`` (keys named as in the checkpoint, so the TP rules apply)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nemo_spec.checkpoint.tp import merge_state_dicts
+
+    size = parallel.tp_size()
+    if size == 1:
+        return local
+    shards: list = [None] * size
+    dist.all_gather_object(shards, local, group=parallel_state.get_tensor_model_parallel_group())
+    return merge_state_dicts(shards, gated)
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (identity without a multi-process group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _on_rank0(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on rank 0 only; if it fails, every rank raises (rank 0 re-raises the original error)."""
+    err: Optional[BaseException] = None
+    if parallel.is_rank_zero():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below once all ranks know
+            err = e
+    msg = _broadcast(None if err is None else f"{type(err).__name__}: {err}")
+    if err is not None:
+        raise err
+    if msg is not None:
+        raise ExportError(f"{what} failed on rank 0: {msg}")
+
+
+def _new_tmp_dir(target: Path) -> Path:
+    """Create (rank 0) a fresh temp dir next to ``target`` and return its path on every rank."""
+    path = None
+    if parallel.is_rank_zero():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+    return Path(_broadcast(str(path) if path else None))
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the finished ``tmp`` dir to ``target``, replacing (after the move succeeded) any old content."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ writers
+def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
+                 embedding: Optional[torch.Tensor]) -> Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]:
+    """Sub-directory name -> (tensors, config.json) for the draft in ``fmt``."""
+    if fmt == "eagle3":
+        return {"draft": eagle_fmt.eagle3_to_reference(neutral, cfg, spec)}
+    if fmt == "eagle1":
+        return {"draft": eagle_fmt.eagle1_to_reference(neutral, cfg, spec, embedding)}
+    return {"draft": medusa_fmt.medusa_to_reference(neutral, cfg, spec),
+            "draft_vllm": medusa_fmt.medusa_to_vllm(neutral, cfg, spec)}
+
+
+def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Tensor], conf: Dict[str, Any],
+                     dtype: torch.dtype) -> None:
+    out.mkdir()
+    tensors = cast_tensors(tensors, dtype)
+    conf = dict(conf, torch_dtype=hf_dtype_name(dtype))
+    try:
+        import transformers
+
+        conf["transformers_version"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    write_json(out / "config.json", conf)
+    if fmt == "medusa" and sub == "draft":
+        save_safetensors(tensors, out / "medusa_lm_head.safetensors")
+        torch.save(tensors, out / "medusa_lm_head.pt")
+    else:
+        save_safetensors(tensors, out / "model.safetensors")
+        if fmt == "eagle1":  # the original EaModel reads only pytorch_model.bin (strictly)
+            torch.save(tensors, out / "pytorch_model.bin")
+    log.info("wrote %s draft (%d tensors, %s) to %s", fmt, len(tensors), hf_dtype_name(dtype), out)
+
+
+def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto", dtype: Union[str, torch.dtype] = "bf16",
+                 overwrite: bool = False, tokenizer_dir: Optional[PathLike] = None, include_base: bool = True,
+                 base_name: Optional[str] = None, source: Optional[str] = None) -> Path:
+    """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
+
+    ``fmt``: 'auto' (the model's draft algorithm, or 'base' for an untransformed model), 'base', 'eagle3',
+    'eagle1', 'medusa'. ``base_name`` is recorded as ``base_model_name_or_path`` in the draft config (default: the
+    absolute path of ``export_dir/base`` when the base is exported, else ``source``).
+    """
+    from nemo_spec.checkpoint.hf import export_hf
+
+    target = Path(export_dir).absolute()
+    torch_dtype = parse_dtype(dtype)
+    spec_model = _unwrap_spec(model)
+    transformed = _is_speculative(spec_model)
+    algorithm = spec_model.spec_config.algorithm if transformed else None
+    fmt = resolve_format(fmt, algorithm, source or type(model).__name__)
+    if fmt == "base" and not include_base:
+        raise ExportError("nothing to export: format 'base' with include_base=False")
+    check_export_dir(target, overwrite)
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise ExportError(f"tokenizer_dir {tokenizer_dir} is not a directory")
+    cfg: ModelConfig = spec_model.model_config if transformed else spec_model.nemo_spec_config
+    if fmt in ("eagle1", "eagle3"):
+        eagle_fmt.check_llama_family(cfg, fmt)
+
+    # collective part: gather the draft (and, for EAGLE-1, the base embedding) on every rank
+    neutral = draft_state_dict(spec_model) if fmt in DRAFT_FORMATS else {}
+    embedding = _base_embedding(spec_model) if fmt == "eagle1" else None
+    base_ref = base_name or (str(target / "base") if include_base else (source or ""))
+    files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
+    if fmt in DRAFT_FORMATS:
+        files = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding)
+        for _, conf in files.values():
+            conf["base_model_name_or_path"] = base_ref
+            conf["nemo_spec"] = {"algorithm": fmt, "source_checkpoint": source, "base_dir": "../base" if include_base else None,
+                                 "speculative": spec_model.spec_config.to_dict()}
+
+    tmp = _new_tmp_dir(target)
+    try:
+        if include_base:
+            base_model = spec_model.gpt if transformed else spec_model
+            export_hf(base_model, tmp / "base", tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
+
+        def write_rest() -> None:
+            for sub, (tensors, conf) in files.items():
+                _write_draft_dir(tmp / sub, fmt, sub, tensors, conf, torch_dtype)
+            info = {
+                "format": fmt,
+                "dtype": hf_dtype_name(torch_dtype),
+                "base": "base" if include_base else None,
+                "draft": "draft" if files else None,
+                "extra": sorted(k for k in files if k != "draft"),
+                "base_model_name_or_path": base_ref,
+                "source_checkpoint": source,
+                "model": cfg.to_dict(),
+                "speculative": spec_model.spec_config.to_dict() if transformed else None,
+                "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+            write_json(tmp / EXPORT_INFO, info)
+            (tmp / "README.md").write_text(render_readme(target, info))
+            _publish(tmp, target)
+
+        _on_rank0(write_rest, f"export to {target}")
+    finally:
+        if parallel.is_rank_zero() and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), target)
+    return target
+
+
+def export_checkpoint(checkpoint: PathLike, export_dir: PathLike, fmt: str = "auto",
+                      dtype: Union[str, torch.dtype] = "bf16", overwrite: bool = False, include_base: bool = True,
+                      base_name: Optional[str] = None) -> Path:
+    """Load a saved checkpoint (any saved TP) under the current parallel state and export it (all ranks call)."""
+    from nemo_spec.checkpoint import find_tokenizer_dir, load_model, read_checkpoint_config
+
+    ckpt = Path(checkpoint)
+    saved = read_checkpoint_config(ckpt)
+    algorithm = (saved.get("speculative") or {}).get("algorithm") if isinstance(saved, dict) else None
+    resolve_format(fmt, algorithm, f"checkpoint {ckpt}")  # fail before loading weights
+    parse_dtype(dtype)
+    check_export_dir(Path(export_dir), overwrite)
+    model = load_model(ckpt)
+    return export_model(model, export_dir, fmt=fmt, dtype=dtype, overwrite=overwrite,
+                        tokenizer_dir=find_tokenizer_dir(ckpt), include_base=include_base, base_name=base_name,
+                        source=str(ckpt.absolute()))
+
+
+# ------------------------------------------------------------------------------------------------ import
+def _draft_dir(path: Path) -> Path:
+    """The draft directory of an export dir (or ``path`` itself when it is one)."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "draft" / "config.json").is_file():
+        return path / "draft"
+    raise ExportError(f"{path} holds no draft: neither {path / 'config.json'} nor {path / 'draft' / 'config.json'}")
+
+
+def detect_draft_format(path: PathLike) -> str:
+    """'eagle3', 'eagle1', 'medusa' or 'medusa_vllm' for an exported draft directory (or an export dir)."""
+    d = _draft_dir(Path(path))
+    conf = read_json(d / "config.json")
+    arch = (conf.get("architectures") or [None])[0]
+    if "medusa_num_heads" in conf or conf.get("model_type") == "medusa":
+        if (d / "medusa_lm_head.safetensors").is_file() or (d / "medusa_lm_head.pt").is_file():
+            return "medusa"
+        return "medusa_vllm"
+    if arch == eagle_fmt.EAGLE3_ARCH or "draft_vocab_size" in conf:
+        return "eagle3"
+    if arch == eagle_fmt.EAGLE1_ARCH:
+        return "eagle1"
+    raise ExportError(f"{d / 'config.json'}: cannot tell the draft format (architectures={conf.get('architectures')})")
+
+
+def _read_draft_tensors(d: Path, fmt: str) -> Dict[str, torch.Tensor]:
+    names = (["medusa_lm_head.safetensors", "medusa_lm_head.pt"] if fmt == "medusa"
+             else ["model.safetensors", "pytorch_model.bin"])
+    for n in names:
+        if (d / n).is_file():
+            return load_tensors(d / n)
+    raise ExportError(f"{d} has none of the weight files {names}")
+
+
+def import_draft(model: torch.nn.Module, path: PathLike) -> str:
+    """Load an exported draft (export dir or draft dir) into a transformed model's draft (TP-aware); returns its format.
+
+    Every tensor of the draft must be present and match in shape; the file's draft must be the same algorithm as
+    the model's.
+    """
+    spec = _unwrap_spec(model)
+    if not _is_speculative(spec):
+        raise ExportError(f"import_draft needs a transformed model (SpeculativeGPT), got {type(model).__name__}")
+    d = _draft_dir(Path(path))
+    fmt = detect_draft_format(d)
+    algorithm = spec.spec_config.algorithm
+    if fmt.split("_")[0] != algorithm:
+        raise ExportError(f"{d} holds a {fmt} draft but the model's draft is {algorithm}")
+    conf = read_json(d / "config.json")
+    cfg: ModelConfig = spec.model_config
+    if "hidden_size" in conf and int(conf["hidden_size"]) != cfg.hidden_size:
+        raise ExportError(f"{d / 'config.json'}: hidden_size={conf['hidden_size']} but the model has {cfg.hidden_size}")
+    tensors = _read_draft_tensors(d, fmt)
+    if fmt == "eagle3":
+        neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg)
+    elif fmt == "eagle1":
+        neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)
+    elif fmt == "medusa":
+        neutral = medusa_fmt.medusa_from_reference(tensors, conf)
+    else:
+        neutral = medusa_fmt.medusa_from_vllm(tensors, conf)
+    try:
+        _load_draft_full(spec, neutral)
+    except ValueError as e:
+        raise ExportError(f"{d}: {e}") from e
+    log.info("imported %s draft from %s", fmt, d)
+    return fmt
