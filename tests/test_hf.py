@@ -1,0 +1,384 @@
+"""Hugging Face import/export: logit parity with transformers for each family, TP=2, formats, errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_spec.checkpoint import hf
+from nemo_spec.checkpoint.hf import HFCheckpointError, export_hf, hf_to_model_config, load_hf
+from nemo_spec.models import build_gpt, gpt_forward
+from tests.helpers import ROOT, run_torchrun, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+V = 96
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter (norms and biases too) random values so each mapping matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if ("norm" in name or "ln_" in name) and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def _hf_config(kind: str, **kw):
+    T = transformers
+    llama = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    if kind == "llama":  # GQA, untied
+        return T.LlamaConfig(**{**llama, **kw})
+    if kind == "llama3":  # llama3 rope scaling, theta 500000
+        rp = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+        return T.LlamaConfig(**{**llama, "rope_parameters": rp, **kw})
+    if kind == "llama_linear":  # linear rope scaling, MHA, attention + mlp biases
+        rp = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        return T.LlamaConfig(**{**llama, "num_key_value_heads": 4, "rope_parameters": rp, "attention_bias": True,
+                                "mlp_bias": True, **kw})
+    if kind == "qwen2":  # qkv bias, tied embeddings, theta 1e6
+        return T.Qwen2Config(**{**llama, "tie_word_embeddings": True,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
+    if kind == "mistral":  # head_dim != hidden/heads, single kv head, no sliding window
+        return T.MistralConfig(**{**llama, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": None, **kw})
+    if kind == "gpt2":
+        return T.GPT2Config(**{"vocab_size": V, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                               "bos_token_id": 0, "eos_token_id": 0, **kw})
+    raise ValueError(kind)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "llama_linear": "LlamaForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def make_hf_model(kind: str, path: Path, seed: int = 0, **kw) -> torch.nn.Module:
+    """A random-weight transformers model of ``kind``, saved to ``path`` (no downloads)."""
+    torch.manual_seed(seed)
+    cfg = _hf_config(kind, **kw)
+    model = getattr(transformers, _ARCH[kind])(cfg).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
+def _ids(s: int = 16, b: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits.float()
+
+
+def _our_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return gpt_forward(model.eval(), x).logits.float()
+
+
+FAMILIES = ["llama", "llama3", "llama_linear", "qwen2", "mistral", "gpt2"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_import_export_parity(kind, tmp_path):
+    ref_model = make_hf_model(kind, tmp_path / "hf")
+    x = _ids()
+    ref = _hf_logits(ref_model, x)
+
+    ours = load_hf(tmp_path / "hf")
+    err = (_our_logits(ours, x) - ref).abs().max().item()
+    assert err < 1e-4, f"{kind}: import max abs err {err}"
+
+    # a Mistral without sliding window is a Llama; ask for the Mistral architecture explicitly
+    arch = "MistralForCausalLM" if kind == "mistral" else None
+    out = export_hf(ours, tmp_path / "export", architecture=arch)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [_ARCH[kind]]
+    assert cfg["torch_dtype"] == "float32"
+    assert (out / "generation_config.json").is_file() and (out / "model.safetensors").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    err_back = (_hf_logits(back, x) - ref).abs().max().item()
+    assert err_back < 1e-4, f"{kind}: export max abs err {err_back}"
+
+    # the exported weights are exactly the original ones (names and values)
+    orig = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    new = load_file(str(out / "model.safetensors"))
+    assert set(orig) == set(new)
+    assert all(torch.equal(orig[k], new[k]) for k in orig)
+
+
+def test_rope_scaling_changes_logits(tmp_path):
+    """The llama3 / linear parity tests are meaningful: scaling changes the reference logits."""
+    x = _ids(s=24)
+    for kind in ("llama3", "llama_linear"):
+        scaled = make_hf_model(kind, tmp_path / kind)
+        plain_cfg = _hf_config(kind, rope_parameters={"rope_type": "default",
+                                                      "rope_theta": scaled.config.rope_parameters["rope_theta"]})
+        plain = getattr(transformers, _ARCH[kind])(plain_cfg).eval()
+        plain.load_state_dict(scaled.state_dict())
+        assert (_hf_logits(scaled, x) - _hf_logits(plain, x)).abs().max() > 1e-3
+
+
+def test_mistral_sliding_window_limits_context(tmp_path, caplog):
+    ref_model = make_hf_model("mistral", tmp_path / "hf", sliding_window=16)
+    with caplog.at_level("WARNING"):
+        ours = load_hf(tmp_path / "hf")
+    assert "sliding_window=16" in caplog.text
+    assert ours.nemo_spec_config.max_position_embeddings == 16
+    x = _ids(s=16)
+    assert (_our_logits(ours, x) - _hf_logits(ref_model, x)).abs().max() < 1e-4
+
+
+def test_sharded_safetensors_and_pytorch_bin(tmp_path):
+    ref_model = make_hf_model("llama", tmp_path / "sharded")
+    ref_model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    shards = list((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    x = _ids()
+    ref = _hf_logits(ref_model, x)
+    assert (_our_logits(load_hf(tmp_path / "sharded"), x) - ref).abs().max() < 1e-4
+
+    # GPT-2 as on the hub: pytorch_model.bin, names without "transformer.", causal-mask buffers
+    g = make_hf_model("gpt2", tmp_path / "gpt2")
+    legacy = tmp_path / "gpt2_bin"
+    legacy.mkdir()
+    (legacy / "config.json").write_text((tmp_path / "gpt2" / "config.json").read_text())
+    sd = {k.removeprefix("transformer."): v for k, v in g.state_dict().items() if k != "lm_head.weight"}
+    for i in range(2):
+        sd[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64))[None, None]
+    torch.save(sd, legacy / "pytorch_model.bin")
+    assert (_our_logits(load_hf(legacy), x) - _hf_logits(g, x)).abs().max() < 1e-4
+
+
+def test_export_bf16_with_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    ref_model = make_hf_model("qwen2", tmp_path / "hf")
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    vocab = {f"w{i}": i for i in range(V - 1)} | {"<unk>": V - 1}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}))
+    (tok_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    ours = load_hf(tmp_path / "hf")
+    out = export_hf(ours, tmp_path / "export", tokenizer_dir=tok_dir, dtype="bf16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["architectures"] == ["Qwen2ForCausalLM"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert "lm_head.weight" not in tensors  # tied
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).is_file(), name
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out), local_files_only=True)
+    assert tok("w3 w5")["input_ids"] == [3, 5]
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
+                                                             dtype=torch.float32).eval()
+    x = _ids()
+    err = (_hf_logits(back, x) - _hf_logits(ref_model, x)).abs().max().item()
+    assert 0 < err < 0.05  # bf16 rounding only
+
+
+def test_tp2_import_export(tmp_path):
+    """Under torchrun: TP=2 import gives transformers' logits; TP=2 export reproduces the weights."""
+    args = []
+    for kind in ("llama", "qwen2", "gpt2"):
+        model = make_hf_model(kind, tmp_path / kind)
+        x = _ids(s=12)
+        torch.save({"input_ids": x, "logits": _hf_logits(model, x)}, tmp_path / f"{kind}.pt")
+        args += [tmp_path / kind, tmp_path / f"{kind}.pt", tmp_path / f"{kind}_tp2_export"]
+    bad = tmp_path / "bad"
+    make_hf_model("mistral", bad, num_key_value_heads=1)
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "hf_tp2.py", [bad, *args])
+    assert out.count("HF_TP2_OK") == 3, out
+    assert "HF_TP2_BAD_TP_REJECTED" in out, out
+    for kind in ("llama", "qwen2", "gpt2"):
+        orig = load_file(str(tmp_path / kind / "model.safetensors"))
+        new = load_file(str(tmp_path / f"{kind}_tp2_export" / "model.safetensors"))
+        assert set(orig) == set(new) and all(torch.equal(orig[k], new[k]) for k in orig), kind
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config mapping
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_legacy_config_fields_map():
+    cfg = hf_to_model_config({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 512,
+        "rope_scaling": {"type": "linear", "factor": 2.0}, "tie_word_embeddings": True,
+        "bos_token_id": 5, "eos_token_id": [7, 9], "pad_token_id": None}, "x/config.json")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers) == (128, 64, 160, 3)
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim) == (8, 2, 8)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.tie_word_embeddings and cfg.norm_eps == 1e-5 and cfg.max_position_embeddings == 512
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (5, 7, None)
+    g = hf_to_model_config({"model_type": "gpt2", "vocab_size": 100, "n_embd": 32, "n_layer": 1, "n_head": 2,
+                            "n_positions": 40, "n_inner": None, "layer_norm_epsilon": 1e-6,
+                            "activation_function": "gelu"})
+    assert (g.family, g.ffn_hidden_size, g.activation, g.position_embedding) == ("gpt2", 128, "gelu_exact", "learned")
+    assert g.tie_word_embeddings and g.add_bias_linear and g.norm_eps == 1e-6
+
+
+def test_exported_config_reads_back_identically():
+    for cfg in (tiny_llama(), tiny_llama(tie_word_embeddings=True, add_qkv_bias=True, rope_theta=1e6),
+                tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})):
+        d = hf.model_config_to_hf(cfg)
+        back = hf_to_model_config(d)
+        assert back.to_dict() == cfg.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_missing_directory_config_and_weights(tmp_path):
+    with pytest.raises(HFCheckpointError, match="not a directory"):
+        load_hf(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HFCheckpointError, match=r"config\.json: missing"):
+        load_hf(tmp_path / "empty")
+    make_hf_model("llama", tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(HFCheckpointError, match="no weights found"):
+        load_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{not json")
+    with pytest.raises(HFCheckpointError, match="invalid JSON"):
+        load_hf(tmp_path / "hf")
+
+
+def test_missing_shard_named(tmp_path):
+    m = make_hf_model("llama", tmp_path / "hf")
+    m.save_pretrained(str(tmp_path / "hf"), max_shard_size="40KB")
+    victim = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(HFCheckpointError, match=victim.name):
+        load_hf(tmp_path / "hf")
+
+
+def test_unsupported_architecture_named(tmp_path):
+    make_hf_model("llama", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFCheckpointError, match=r"FalconForCausalLM.*supported architectures.*GPT2LMHeadModel"):
+        load_hf(tmp_path / "hf")
+    with pytest.raises(HFCheckpointError, match="hidden_act"):
+        hf_to_model_config(dict(cfg, architectures=["LlamaForCausalLM"], hidden_act="gelu"))
+    with pytest.raises(HFCheckpointError, match="yarn"):
+        hf_to_model_config(dict(cfg, architectures=["LlamaForCausalLM"],
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}))
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tmp_path, monkeypatch):
+    make_hf_model("llama", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    built = []
+    monkeypatch.setattr("nemo_spec.models.build_gpt", lambda *a, **k: built.append(1))
+    with pytest.raises(HFCheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(64, 128\).*\(64, 96\)"):
+        load_hf(tmp_path / "hf")
+    assert not built, "the model must not be built before the shapes are checked"
+
+
+def test_untied_without_lm_head_and_unexpected_tensor(tmp_path):
+    make_hf_model("qwen2", tmp_path / "hf")  # tied: no lm_head.weight stored
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
+    with pytest.raises(HFCheckpointError, match="lm_head.weight"):
+        load_hf(tmp_path / "hf")
+    path.write_text(json.dumps(cfg))
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="unexpected tensor.*q_norm"):
+        load_hf(tmp_path / "hf")
+
+
+def test_export_refuses_nonempty_dir_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    model = build_gpt(tiny_llama())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(HFCheckpointError, match="not empty"):
+        export_hf(model, out)
+    assert (out / "keep.txt").read_text() == "x"
+    with pytest.raises(HFCheckpointError, match="dtype"):
+        export_hf(model, tmp_path / "o2", dtype="int8")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(model, tmp_path / "o3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial or temp directory left
+    monkeypatch.undo()
+    export_hf(model, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_export_rejects_unrepresentable_config():
+    with pytest.raises(HFCheckpointError, match="normalization"):
+        hf.model_config_to_hf(tiny_llama(normalization="LayerNorm"))
+    with pytest.raises(HFCheckpointError, match="GPT2LMHeadModel"):
+        hf.model_config_to_hf(tiny_llama(), architecture="GPT2LMHeadModel")
+    with pytest.raises(HFCheckpointError, match="FooForCausalLM"):
+        hf.model_config_to_hf(tiny_llama(), architecture="FooForCausalLM")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_export_hf_to_hf_and_errors(tmp_path):
+    ref_model = make_hf_model("gpt2", tmp_path / "hf")
+    p = _run_cli("export", str(tmp_path / "hf"), str(tmp_path / "out"), "--dtype", "fp16")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True,
+                                                             dtype=torch.float32).eval()
+    x = _ids()
+    assert (_hf_logits(back, x) - _hf_logits(ref_model, x)).abs().max() < 0.05
+    p = _run_cli("export", str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert p.returncode != 0 and "not empty" in p.stderr
+    p = _run_cli("import", str(tmp_path / "missing"), str(tmp_path / "ck"))
+    assert p.returncode != 0 and "not a directory" in p.stderr and not (tmp_path / "ck").exists()
+
+
+def test_cli_import_to_torch_dist(tmp_path):
+    import nemo_spec.checkpoint as ck
+
+    if not hasattr(ck, "save_checkpoint") or not hasattr(ck, "load_model"):
+        pytest.skip("nemo_spec.checkpoint.save_checkpoint/load_model not available yet")
+    ref_model = make_hf_model("llama", tmp_path / "hf")
+    p = _run_cli("import", str(tmp_path / "hf"), str(tmp_path / "ck"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    model = ck.load_model(tmp_path / "ck")
+    x = _ids()
+    assert (_our_logits(model, x) - _hf_logits(ref_model, x)).abs().max() < 1e-4
