@@ -1,0 +1,479 @@
+"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /admin/*."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nemo_spec.config import ConfigError
+from nemo_spec.serve import protocol as P
+from nemo_spec.serve.batching import BatcherClosedError, GenRequest, QueueFullError, RowSpec
+from nemo_spec.serve.chat_template import ChatTemplateError, messages_to_dicts
+from nemo_spec.serve.config import ModelSpec, ServeConfig
+from nemo_spec.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from nemo_spec.serve.models import ModelLoadError, ModelManager, ServedModel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+DISCONNECT_POLL_S = 0.5
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/admin/models",
+             "/admin/models/load", "/admin/models/unload", "/admin/models/switch")
+
+
+# ---------------------------------------------------------------- helpers
+
+async def parse_body(request: Request, cls: Type[T]) -> T:
+    """Read and validate a JSON body; malformed JSON or invalid fields -> 400 with the offending param."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise P.invalid("The request body must be a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise P.invalid(f"Invalid value for '{param}': {err.get('msg')}", param=param,
+                        code="invalid_value") from e
+
+
+def _bearer(request: Request) -> Optional[str]:
+    h = request.headers.get("authorization", "")
+    scheme, _, token = h.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _key_ok(token: Optional[str], keys: List[str]) -> bool:
+    return token is not None and any(hmac.compare_digest(token.encode(), k.encode()) for k in keys)
+
+
+def _sampling_params(served: ServedModel, req: P._Request, max_tokens: int, seed: Optional[int]) -> Any:
+    from nemo_spec.inference import SamplingParams
+
+    temperature = 1.0 if req.temperature is None else req.temperature
+    try:
+        return SamplingParams(temperature=temperature, top_k=req.top_k or 0,
+                              top_p=1.0 if req.top_p is None else req.top_p, max_new_tokens=max_tokens,
+                              stop_token_ids=tuple(served.eos_ids), seed=seed)
+    except (ValueError, TypeError, ConfigError) as e:
+        raise P.invalid(f"invalid sampling parameters: {e}") from e
+
+
+def _encode(served: ServedModel, text: str, add_special_tokens: bool) -> List[int]:
+    tok = served.tokenizer
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer: no per-call state, safe next to the worker's decode calls
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+    return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _resolve_max_tokens(served: ServedModel, prompts: List[List[int]], requested: Optional[int],
+                        default: int) -> int:
+    longest = max(len(p) for p in prompts)
+    ctx = served.max_context
+    if longest == 0:
+        raise P.invalid("the prompt is empty", "prompt")
+    if longest >= ctx:
+        raise P.invalid(f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                        f"{longest} tokens. Please reduce the length of the prompt.", "messages",
+                        "context_length_exceeded")
+    if requested is None:
+        return max(1, min(default, ctx - longest))
+    if longest + requested > ctx:
+        raise P.invalid(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                        f"{longest + requested} tokens ({longest} in the prompt, {requested} in the completion). "
+                        f"Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+    return requested
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected while it was generating."""
+
+
+class _Job:
+    """A submitted request plus the bookkeeping the response needs."""
+
+    def __init__(self, served: ServedModel, gen: GenRequest, prompt_tokens: int, num_choices: int,
+                 metrics: ServerMetrics) -> None:
+        self.served, self.gen, self.prompt_tokens, self.num_choices = served, gen, prompt_tokens, num_choices
+        self.metrics = metrics
+        self.texts = [""] * num_choices
+        self.finish: List[Optional[str]] = [None] * num_choices
+        self.counts = [0] * num_choices
+        self.t0 = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def usage(self) -> P.Usage:
+        ct = sum(self.counts)
+        return P.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=ct, total_tokens=self.prompt_tokens + ct)
+
+    def apply(self, ev: Tuple) -> None:
+        """Update state from one batcher event; raises APIError for error events."""
+        kind = ev[0]
+        if kind == "delta":
+            self.texts[ev[1]] += ev[2]
+        elif kind == "finish":
+            _, choice, reason, count, _stats = ev
+            self.finish[choice] = reason
+            self.counts[choice] = count
+            if self.finished:
+                self.metrics.prompt_tokens.inc(self.prompt_tokens)
+                self.metrics.completion_tokens.inc(sum(self.counts))
+                self.metrics.latency.observe(time.monotonic() - self.t0)
+        elif kind == "error":
+            raise P.APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+
+    async def next_event(self, request: Optional[Request]) -> Tuple:
+        """The next batcher event; polls for client disconnects while waiting (non-streamed requests)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.gen.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    self.gen.cancelled = True
+                    raise ClientGone("client disconnected")
+
+
+def _sse(obj: Dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------- app
+
+def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> FastAPI:
+    """Build the FastAPI app; loads ``cfg.models`` unless a ready ``manager`` is given."""
+    cfg.validate()
+    metrics = manager.metrics if manager is not None else ServerMetrics()
+    if manager is None:
+        manager = ModelManager(cfg.max_queue, cfg.batch_wait_ms / 1000.0, metrics)
+        for spec in cfg.models:
+            manager.add(spec)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(manager.close)
+
+    async def require_api_key(request: Request) -> None:
+        if request.url.path.startswith("/admin"):
+            return
+        if cfg.api_keys and not _key_ok(_bearer(request), cfg.api_keys):
+            raise P.APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+
+    async def require_admin_key(request: Request) -> None:
+        if not cfg.admin_key:
+            raise P.APIError(403, "Admin endpoints are disabled (no admin_key configured).",
+                             "invalid_request_error", None, "admin_disabled")
+        if not _key_ok(_bearer(request), [cfg.admin_key]):
+            raise P.APIError(401, "Incorrect admin key provided.", "invalid_request_error", None, "invalid_api_key")
+
+    app = FastAPI(title="nemo_spec OpenAI-compatible server", lifespan=lifespan,
+                  dependencies=[Depends(require_api_key)])
+    app.state.manager = manager
+    app.state.metrics = metrics
+    app.state.config = cfg
+
+    # ------------------------------------------------------------ errors
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, exc: P.APIError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        param = ".".join(str(x) for x in errs[0].get("loc", ())) if errs else None
+        msg = errs[0].get("msg") if errs else "invalid request"
+        return JSONResponse(P.invalid(f"Invalid value for '{param}': {msg}", param).to_dict(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = P.APIError(exc.status_code, str(exc.detail), "invalid_request_error",
+                         code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        err = P.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
+        return JSONResponse(err.to_dict(), status_code=500)
+
+    # ------------------------------------------------------------ info endpoints
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        models = manager.all()
+        dead = [m.name for m in models if not m.batcher.alive]
+        body = {"status": "ok" if not dead else "unhealthy", "models": [m.name for m in models]}
+        if dead:
+            body["dead_workers"] = dead
+        return JSONResponse(body, status_code=200 if not dead else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [P.ModelCard(id=m.name, created=m.created, max_model_len=m.max_context) for m in manager.all()]
+        return JSONResponse(P.ModelList(data=cards).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        m = manager.get(model_id)
+        return JSONResponse(P.ModelCard(id=m.name, created=m.created, max_model_len=m.max_context).model_dump())
+
+    # ------------------------------------------------------------ generation
+    def submit(served: ServedModel, req: P._Request, prompts: List[List[int]], max_tokens: int,
+               loop: asyncio.AbstractEventLoop, extra_stop: Sequence[str] = ()) -> _Job:
+        n = req.n
+        rows: List[RowSpec] = []
+        if len(prompts) * n > served.spec.max_batch:
+            raise P.invalid(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed this "
+                            f"server's max_batch={served.spec.max_batch}", "n")
+        for p_idx, prompt in enumerate(prompts):
+            for j in range(n):
+                seed = None if req.seed is None else req.seed + j
+                rows.append(RowSpec(list(prompt), _sampling_params(served, req, max_tokens, seed), p_idx * n + j))
+        gen = GenRequest(rows=rows, stop=req.stop_list() + [s for s in extra_stop if s not in req.stop_list()],
+                         loop=loop)
+        try:
+            served.batcher.submit(gen)
+        except QueueFullError as e:
+            metrics.rejected.inc()
+            raise P.APIError(503, f"The server is overloaded: {e}. Retry later.", "server_error", None,
+                             "queue_full") from e
+        except BatcherClosedError as e:
+            raise P.APIError(503, str(e), "server_error", None, "model_unloading") from e
+        return _Job(served, gen, sum(len(p) for p in prompts), len(rows), metrics)
+
+    async def collect(job: _Job, request: Request) -> bool:
+        """Wait for all choices; False when the client went away (generation cancelled)."""
+        try:
+            while not job.finished:
+                job.apply(await job.next_event(request))
+            return True
+        except ClientGone:
+            log.info("client of a non-streamed request disconnected; generation cancelled")
+            return False
+        finally:
+            if not job.finished:
+                job.gen.cancelled = True
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, P.ChatCompletionRequest)
+        req.check_supported()
+        served = manager.get(req.model)
+        try:
+            text = served.template.render(messages_to_dicts(req.messages), req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise P.invalid(str(e), "messages") from e
+        prompt = _encode(served, text, add_special_tokens=False)
+        max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(), served.spec.default_max_tokens)
+        job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
+        rid, created = P.new_id("chatcmpl"), P.now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(job, rid, created, req.model, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not await collect(job, request):
+            return Response(status_code=499)
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=job.texts[i]),
+                                finish_reason=job.finish[i]) for i in range(job.num_choices)]
+        resp = P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
+        return JSONResponse(resp.model_dump())
+
+    async def _chat_stream(job: _Job, rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        try:
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None, "logprobs": None}
+                                            for i in range(job.num_choices)]})
+            while not job.finished:
+                ev = await job.next_event(None)
+                try:
+                    job.apply(ev)
+                except P.APIError as e:
+                    yield _sse(e.to_dict())
+                    break
+                if ev[0] == "delta":
+                    yield _sse({**base, "choices": [{"index": ev[1], "delta": {"content": ev[2]},
+                                                     "finish_reason": None, "logprobs": None}]})
+                elif ev[0] == "finish":
+                    yield _sse({**base, "choices": [{"index": ev[1], "delta": {}, "finish_reason": ev[2],
+                                                     "logprobs": None}]})
+            if include_usage and job.finished:
+                yield _sse({**base, "choices": [], "usage": job.usage().model_dump()})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not job.finished:  # client went away (generator closed) -> cancel the rows in the engine
+                job.gen.cancelled = True
+                log.info("stream %s closed by the client; generation cancelled", rid)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, P.CompletionRequest)
+        req.check_supported()
+        served = manager.get(req.model)
+        prompts, texts = _completion_prompts(served, req.prompt)
+        max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS)
+        job = submit(served, req, prompts, max_tokens, asyncio.get_running_loop())
+        rid, created = P.new_id("cmpl"), P.now()
+        echo = [texts[i // req.n] if req.echo else "" for i in range(job.num_choices)]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_completion_stream(job, rid, created, req.model, include_usage, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not await collect(job, request):
+            return Response(status_code=499)
+        choices = [P.CompletionChoice(index=i, text=echo[i] + job.texts[i], finish_reason=job.finish[i])
+                   for i in range(job.num_choices)]
+        resp = P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
+        return JSONResponse(resp.model_dump())
+
+    def _completion_prompts(served: ServedModel, prompt: Any) -> Tuple[List[List[int]], List[str]]:
+        vocab = len(served.tokenizer)
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            prompt = [prompt]
+        ids: List[List[int]] = []
+        texts: List[str] = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                ids.append(_encode(served, p, add_special_tokens=True))
+                texts.append(p)
+            else:
+                bad = [t for t in p if not 0 <= t < vocab]
+                if bad:
+                    raise P.invalid(f"prompt[{i}] has token ids outside [0, {vocab}): {bad[:5]}", "prompt")
+                ids.append(list(p))
+                texts.append(served.tokenizer.decode(list(p), skip_special_tokens=False))
+        return ids, texts
+
+    async def _completion_stream(job: _Job, rid: str, created: int, model: str, include_usage: bool,
+                                 echo: List[str]) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        try:
+            for i, e in enumerate(echo):
+                if e:
+                    yield _sse({**base, "choices": [{"index": i, "text": e, "finish_reason": None, "logprobs": None}]})
+            while not job.finished:
+                ev = await job.next_event(None)
+                try:
+                    job.apply(ev)
+                except P.APIError as e:
+                    yield _sse(e.to_dict())
+                    break
+                if ev[0] == "delta":
+                    yield _sse({**base, "choices": [{"index": ev[1], "text": ev[2], "finish_reason": None,
+                                                     "logprobs": None}]})
+                elif ev[0] == "finish":
+                    yield _sse({**base, "choices": [{"index": ev[1], "text": "", "finish_reason": ev[2],
+                                                     "logprobs": None}]})
+            if include_usage and job.finished:
+                yield _sse({**base, "choices": [], "usage": job.usage().model_dump()})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not job.finished:
+                job.gen.cancelled = True
+                log.info("stream %s closed by the client; generation cancelled", rid)
+
+    # ------------------------------------------------------------ admin
+    admin = [Depends(require_admin_key)]
+
+    @app.get("/admin/models", dependencies=admin)
+    async def admin_models() -> JSONResponse:
+        return JSONResponse({"models": [m.describe() for m in manager.all()]})
+
+    async def _load(request: Request, replace: bool) -> JSONResponse:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
+        if not isinstance(data, dict):
+            raise P.invalid("The request body must be a JSON object", code="invalid_json")
+        try:
+            spec = ModelSpec.from_dict(data, "admin request")
+        except (ConfigError, TypeError) as e:
+            raise P.invalid(str(e)) from e
+        if not replace and spec.name in manager.names():
+            raise P.APIError(409, f"model `{spec.name}` is already loaded; unload it or use /admin/models/switch",
+                             "invalid_request_error", "name", "model_exists")
+        if replace:
+            manager.get(spec.name)  # 404 when there is nothing to switch
+        try:
+            served = await run_in_threadpool(manager.add, spec, replace)
+        except (ModelLoadError, ConfigError) as e:
+            raise P.invalid(str(e), "path", "model_load_failed") from e
+        return JSONResponse({"status": "switched" if replace else "loaded", "model": served.describe()})
+
+    @app.post("/admin/models/load", dependencies=admin)
+    async def admin_load(request: Request) -> JSONResponse:
+        return await _load(request, replace=False)
+
+    @app.post("/admin/models/switch", dependencies=admin)
+    async def admin_switch(request: Request) -> JSONResponse:
+        return await _load(request, replace=True)
+
+    @app.post("/admin/models/unload", dependencies=admin)
+    async def admin_unload(request: Request) -> JSONResponse:
+        body = await parse_body(request, _UnloadRequest)
+        manager.get(body.name)
+        await run_in_threadpool(manager.remove, body.name, body.drain)
+        return JSONResponse({"status": "unloaded", "model": body.name})
+
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    return app
+
+
+class _UnloadRequest(BaseModel):
+    """POST /admin/models/unload body."""
+
+    name: str
+    drain: bool = False
+
+
+class _MetricsMiddleware:
+    """Pure ASGI middleware counting requests by endpoint and status (streaming-safe)."""
+
+    def __init__(self, app: FastAPI, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def _send(msg: Dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            self.metrics.requests.inc(endpoint=endpoint, code=str(status[0]))

@@ -1,0 +1,110 @@
+"""Typed server configuration (conf/serve.yaml maps onto these dataclasses)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from nemo_spec.config import ConfigError
+
+METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSpec:
+    """One served model: where to load it from and how to generate with it."""
+
+    name: str = "default"
+    path: Optional[str] = None  # checkpoint dir (nemo_spec torch_dist, Megatron legacy or Hugging Face)
+    tokenizer: Optional[str] = None  # tokenizer dir; None -> the checkpoint's tokenizer/ (or the HF dir itself)
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    method: str = "ar"  # ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup
+    options: Dict[str, Any] = field(default_factory=dict)  # passed to generate(options=...)
+    draft_path: Optional[str] = None  # method=draft_model: the small draft model's checkpoint
+    max_batch: int = 8  # engine rows per batch
+    max_context: Optional[int] = None  # prompt + completion tokens; None -> model max_position_embeddings
+    default_max_tokens: int = 256  # when a request gives no max_tokens (completions: OpenAI's 16)
+    chat_template: Optional[str] = None  # jinja string or file; None -> tokenizer's template, else the default
+
+    def validate(self) -> "ModelSpec":
+        """Raise ConfigError naming the invalid field; returns self."""
+        where = f"serve model {self.name!r}"
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError(f"{where}: name must be a non-empty string, got {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{where}: dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"{where}: method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and not self.draft_path:
+            raise ConfigError(f"{where}: method 'draft_model' needs draft_path")
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ConfigError(f"{where}: max_batch must be an int >= 1, got {self.max_batch!r}")
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 2):
+            raise ConfigError(f"{where}: max_context must be an int >= 2 or null, got {self.max_context!r}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
+            raise ConfigError(f"{where}: default_max_tokens must be an int >= 1, got {self.default_max_tokens!r}")
+        if not isinstance(self.options, dict):
+            raise ConfigError(f"{where}: options must be a mapping, got {type(self.options).__name__}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "ModelSpec":
+        """Build from a dict, rejecting unknown keys with a message naming ``source``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown model key(s) {unknown}; known: {sorted(known)}")
+        return cls(**copy.deepcopy(dict(d))).validate()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-JSON representation."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ServeConfig:
+    """Server-level settings plus the models loaded at start-up."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: List[str] = field(default_factory=list)  # non-empty -> Bearer auth on every endpoint
+    admin_key: Optional[str] = None  # required by /admin/*; None -> admin endpoints disabled
+    max_queue: int = 64  # waiting requests per model before 503
+    batch_wait_ms: float = 5.0  # how long the batcher waits for more requests to join a batch
+    log_level: str = "info"
+    models: List[ModelSpec] = field(default_factory=list)
+
+    def validate(self) -> "ServeConfig":
+        """Raise ConfigError naming the invalid field; returns self."""
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"serve.port must be in [0, 65535], got {self.port!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ConfigError(f"serve.max_queue must be an int >= 1, got {self.max_queue!r}")
+        if self.batch_wait_ms < 0:
+            raise ConfigError(f"serve.batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ConfigError("serve.api_keys must be non-empty strings")
+        names = [m.name for m in self.models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"serve.models: duplicate model name(s) {dup}")
+        for m in self.models:
+            m.validate()
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "ServeConfig":
+        """Build from a (Hydra-resolved) dict; ``model`` (one spec) and ``models`` (a list) are both accepted."""
+        d = copy.deepcopy(dict(d))
+        models = [ModelSpec.from_dict(m, f"{source}: models[{i}]") for i, m in enumerate(d.pop("models", None) or [])]
+        one = d.pop("model", None)
+        if one and one.get("path") is not None:
+            models.insert(0, ModelSpec.from_dict(one, f"{source}: model"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown serve key(s) {unknown}; known: {sorted(known | {'model'})}")
+        d["api_keys"] = [str(k) for k in (d.get("api_keys") or [])]
+        return cls(models=models, **d).validate()

@@ -1,0 +1,223 @@
+"""Served models: loading a checkpoint + tokenizer, binding the generation engine, load/unload/switch."""
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nemo_spec.config import ConfigError
+from nemo_spec.serve.batching import Batcher
+from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
+from nemo_spec.serve.config import ModelSpec
+from nemo_spec.serve.metrics import ServerMetrics
+from nemo_spec.serve.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A model named in the serve config could not be loaded (message names the model and path)."""
+
+
+def _resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A Hugging Face fast tokenizer from a local directory (no network)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"tokenizer directory {p} does not exist")
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def _model_max_len(model: torch.nn.Module) -> int:
+    from nemo_spec.models.gpt import model_config
+
+    return int(model_config(model).max_position_embeddings)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> List[int]:
+    from nemo_spec.models.gpt import model_config
+
+    ids = []
+    for v in (getattr(tokenizer, "eos_token_id", None), model_config(model).eos_token_id):
+        if isinstance(v, int) and v not in ids:
+            ids.append(v)
+    return ids
+
+
+@dataclass
+class ServedModel:
+    """A loaded model with its tokenizer, chat template, limits and batcher."""
+
+    spec: ModelSpec
+    model: torch.nn.Module
+    tokenizer: Any
+    template: ChatTemplate
+    max_context: int
+    eos_ids: List[int]
+    batcher: Batcher
+    draft_model: Optional[torch.nn.Module] = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def name(self) -> str:
+        """The model id clients use."""
+        return self.spec.name
+
+    def describe(self) -> Dict[str, Any]:
+        """Admin view of this model."""
+        return {"id": self.name, "path": self.spec.path, "method": self.spec.method, "options": self.spec.options,
+                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+                "max_batch": self.spec.max_batch, "max_context": self.max_context,
+                "chat_template": self.template.origin, "queue_depth": self.batcher.queue_depth(),
+                "running_rows": self.batcher.running_rows, "batches_run": self.batcher.batches_run}
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the batcher (finishing or failing queued requests) and drop the weights."""
+        self.batcher.close(drain=drain)
+        self.batcher.engine = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self.draft_model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _engine(model: torch.nn.Module, method: str, options: Dict[str, Any], draft_model: Optional[torch.nn.Module],
+            tokenizer: Any, prompts: List[List[int]], params: List[Any], on_tokens: Any) -> List[Any]:
+    from nemo_spec.inference import generate
+
+    with torch.inference_mode():
+        return generate(model, prompts, params, method=method, draft_model=draft_model, options=dict(options),
+                        tokenizer=tokenizer, on_tokens=on_tokens)
+
+
+def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float = 0.005,
+                       metrics: Optional[ServerMetrics] = None, model: Optional[torch.nn.Module] = None,
+                       tokenizer: Any = None, draft_model: Optional[torch.nn.Module] = None) -> ServedModel:
+    """Load (or take) the model and tokenizer for ``spec`` and start its batcher."""
+    spec.validate()
+    if model is None:
+        if not spec.path:
+            raise ConfigError(f"serve model {spec.name!r}: path is required")
+        if not Path(spec.path).exists():
+            raise ModelLoadError(f"serve model {spec.name!r}: checkpoint path {spec.path} does not exist")
+        from nemo_spec.checkpoint import load_model
+
+        log.info("loading model %r from %s", spec.name, spec.path)
+        try:
+            model = load_model(spec.path, dtype=_resolve_dtype(spec.dtype))
+        except Exception as e:
+            raise ModelLoadError(f"serve model {spec.name!r}: loading {spec.path} failed: {e}") from e
+    if tokenizer is None:
+        tok_dir = spec.tokenizer
+        if tok_dir is None and spec.path:
+            from nemo_spec.checkpoint import find_tokenizer_dir
+
+            found = find_tokenizer_dir(spec.path)
+            tok_dir = str(found) if found else None
+        if tok_dir is None:
+            raise ModelLoadError(f"serve model {spec.name!r}: no tokenizer found in {spec.path}; set tokenizer=<dir>")
+        tokenizer = load_tokenizer(tok_dir)
+    if spec.method == "draft_model" and draft_model is None:
+        from nemo_spec.checkpoint import load_model
+
+        if not Path(str(spec.draft_path)).exists():
+            raise ModelLoadError(f"serve model {spec.name!r}: draft_path {spec.draft_path} does not exist")
+        draft_model = load_model(str(spec.draft_path))
+    dtype = _resolve_dtype(spec.dtype)
+    model = model.to(dtype).eval()
+    if draft_model is not None:
+        draft_model = draft_model.to(dtype).eval()
+    limit = _model_max_len(model)
+    max_context = spec.max_context or limit
+    if max_context > limit:
+        raise ConfigError(f"serve model {spec.name!r}: max_context={max_context} exceeds the model's "
+                          f"max_position_embeddings={limit}")
+    try:
+        template = ChatTemplate.for_tokenizer(tokenizer, spec.chat_template)
+    except ChatTemplateError as e:
+        raise ModelLoadError(f"serve model {spec.name!r}: {e}") from e
+    engine = functools.partial(_engine, model, spec.method, spec.options, draft_model, tokenizer)
+    batcher = Batcher(engine, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
+    served = ServedModel(spec=spec, model=model, tokenizer=tokenizer, template=template, max_context=max_context,
+                         eos_ids=_eos_ids(model, tokenizer) + [t for t in template.end_of_turn_ids()
+                                                               if t not in _eos_ids(model, tokenizer)],
+                         batcher=batcher, draft_model=draft_model)
+    log.info("model %r ready: method=%s max_batch=%d max_context=%d dtype=%s", spec.name, spec.method,
+             spec.max_batch, max_context, dtype)
+    return served
+
+
+class ModelManager:
+    """The set of served models, by name; load/unload/switch are serialised, lookups are lock-free."""
+
+    def __init__(self, max_queue: int = 64, batch_wait_s: float = 0.005,
+                 metrics: Optional[ServerMetrics] = None) -> None:
+        self.max_queue = max_queue
+        self.batch_wait_s = batch_wait_s
+        self.metrics = metrics or ServerMetrics()
+        self._models: Dict[str, ServedModel] = {}
+        self._admin_lock = threading.Lock()
+        self.metrics.queue_depth.add_callback(
+            lambda: {(("model", n),): float(m.batcher.queue_depth()) for n, m in list(self._models.items())})
+        self.metrics.running.add_callback(
+            lambda: {(("model", n),): float(m.batcher.running_rows) for n, m in list(self._models.items())})
+
+    def names(self) -> List[str]:
+        """Names of the loaded models."""
+        return list(self._models)
+
+    def all(self) -> List[ServedModel]:
+        """The loaded models."""
+        return list(self._models.values())
+
+    def get(self, name: str) -> ServedModel:
+        """The model called ``name``; 404 (OpenAI model_not_found) otherwise."""
+        m = self._models.get(name)
+        if m is None:
+            raise APIError(404, f"The model `{name}` does not exist. Loaded models: {sorted(self._models)}",
+                           "invalid_request_error", "model", "model_not_found")
+        return m
+
+    def add(self, spec: ModelSpec, replace: bool = False, **kw: Any) -> ServedModel:
+        """Load ``spec`` and serve it; an existing model of that name is replaced (after draining) if ``replace``."""
+        with self._admin_lock:
+            if spec.name in self._models and not replace:
+                raise APIError(409, f"model `{spec.name}` is already loaded; unload it or use switch",
+                               "invalid_request_error", "name", "model_exists")
+            served = build_served_model(spec, self.max_queue, self.batch_wait_s, self.metrics, **kw)
+            old = self._models.get(spec.name)
+            self._models[spec.name] = served
+        if old is not None:
+            log.info("switched model %r; draining the previous instance", spec.name)
+            threading.Thread(target=old.close, kwargs={"drain": True}, daemon=True).start()
+        return served
+
+    def remove(self, name: str, drain: bool = False) -> None:
+        """Unload ``name``: queued requests fail with 503 (or finish, with drain); running ones finish."""
+        with self._admin_lock:
+            m = self.get(name)
+            del self._models[name]
+        m.close(drain=drain)
+        log.info("unloaded model %r", name)
+
+    def close(self) -> None:
+        """Unload everything (server shutdown)."""
+        with self._admin_lock:
+            models, self._models = list(self._models.values()), {}
+        for m in models:
+            m.close(drain=False)

@@ -1,0 +1,294 @@
+"""OpenAI API request/response models (pydantic v2) and OpenAI-style errors."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4
+
+
+class APIError(Exception):
+    """An error returned to the client as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The OpenAI error body: {"error": {message, type, param, code}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    """A 400 invalid_request_error."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Request(BaseModel):
+    """Fields shared by completion and chat-completion requests (unknown fields are ignored, as OpenAI clients expect)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)  # extension (vLLM-style); 0 = disabled
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: Optional["StreamOptions"] = None
+    stop: Optional[Union[str, List[str]]] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Optional[Union[str, List[str]]]) -> Optional[Union[str, List[str]]]:
+        if isinstance(v, list):
+            if len(v) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
+            if any(s == "" for s in v):
+                raise ValueError("stop sequences must be non-empty strings")
+        elif v == "":
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> List[str]:
+        """Stop strings as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_supported(self) -> None:
+        """Raise a 400 for OpenAI parameters this server accepts syntactically but does not implement."""
+        if self.presence_penalty not in (None, 0.0):
+            raise invalid("presence_penalty is not supported by this server (use 0)", "presence_penalty")
+        if self.frequency_penalty not in (None, 0.0):
+            raise invalid("frequency_penalty is not supported by this server (use 0)", "frequency_penalty")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported by this server", "logit_bias")
+
+
+class StreamOptions(BaseModel):
+    """stream_options: include_usage adds a final chunk carrying usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """A text content part of a chat message."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The message content as plain text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions body."""
+
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    response_format: Optional[Dict[str, Any]] = None
+    add_generation_prompt: bool = True  # extension (vLLM-style)
+    chat_template: Optional[str] = None  # not accepted from clients; see check_supported
+
+    def check_supported(self) -> None:
+        """Reject unsupported chat parameters with a 400."""
+        super().check_supported()
+        if self.logprobs:
+            raise invalid("logprobs is not supported by this server", "logprobs")
+        if self.tools:
+            raise invalid("tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid("only response_format type 'text' is supported", "response_format")
+        if self.chat_template is not None:
+            raise invalid("chat_template cannot be set per request; configure it on the server", "chat_template")
+
+    def effective_max_tokens(self) -> Optional[int]:
+        """max_completion_tokens, else max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+PromptType = Union[str, List[str], List[int], List[List[int]]]
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions body."""
+
+    prompt: PromptType
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _prompt_nonempty(self) -> "CompletionRequest":
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def check_supported(self) -> None:
+        """Reject unsupported completion parameters with a 400."""
+        super().check_supported()
+        if self.logprobs:
+            raise invalid("logprobs is not supported by this server", "logprobs")
+        if self.suffix:
+            raise invalid("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid("best_of different from n is not supported", "best_of")
+
+    def effective_max_tokens(self) -> Optional[int]:
+        """max_tokens (OpenAI's legacy default of 16 is applied by the server when None)."""
+        return self.max_tokens
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+# ---------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    """Token usage of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    """An entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nemo_spec"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant message of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One chat completion choice."""
+
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Optional[str]
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The chat.completion object."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: List[ChatChoice]
+    usage: Usage
+    system_fingerprint: Optional[str] = None
+
+
+class ChatDelta(BaseModel):
+    """A streamed chat delta."""
+
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a chat.completion.chunk."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """The chat.completion.chunk object."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: List[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionChoice(BaseModel):
+    """One text completion choice (also used for streamed chunks)."""
+
+    index: int
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """The text_completion object (non-streamed and streamed chunks share the shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id like 'chatcmpl-<hex>'."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    """Unix time in seconds."""
+    return int(time.time())
