@@ -18,7 +18,7 @@ import torch
 
 from nemo_spec.models import GPTOutput, KVCache, gpt_forward, model_config, new_kv_cache, unwrap
 from nemo_spec.inference.sampling import (RowRNG, SamplingError, SamplingParams, greedy_tree_accept, sample_from,
-                                          tree_accept, warp_logits, warp_rows)
+                                          tree_accept, warp_rows)
 from nemo_spec.inference.trees import ancestor_mask, block_context, children_lists, prefill_context
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,14 @@ class Engine:
         active = st.active_rows()
         tok_l, par_l, val_l = blk_tok.tolist(), blk_par.tolist(), blk_val.tolist()
         greedy_rows = [r for r in active if st.params[r].greedy]
+        samp_rows = [r for r in active if not st.params[r].greedy]
         argmax = logits.argmax(-1).tolist() if greedy_rows else None
+        if samp_rows:
+            sidx = torch.tensor(samp_rows, device=dev)
+            probs = warp_rows(logits[sidx], [st.params[r] for r in samp_rows]).cpu()
+            qs = None if tree.q is None else tree.q[sidx].float().cpu()
+            us = st.rng.uniform(n + 2, samp_rows).tolist()
+            srow = {r: i for i, r in enumerate(samp_rows)}
         paths: List[List[int]] = [[] for _ in range(b)]
         emitted: List[List[int]] = [[] for _ in range(b)]
         for r in active:
@@ -210,10 +217,8 @@ class Engine:
             if st.params[r].greedy:
                 path, nxt = greedy_tree_accept(argmax[r], tok_l[r], kids)
             else:
-                p = warp_logits(logits[r], st.params[r]).cpu()
-                q = None if tree.q is None else tree.q[r].float().cpu()
-                u = iter(st.rng.uniform(n + 2, [r])[0].tolist())
-                path, nxt = tree_accept(p, tok_l[r], kids, q, u)
+                i = srow[r]
+                path, nxt = tree_accept(probs[i], tok_l[r], kids, None if qs is None else qs[i], iter(us[i]))
             paths[r] = [0] + path
             emitted[r] = [tok_l[r][i] for i in path] + [nxt]
             st.target_forwards[r] += 1

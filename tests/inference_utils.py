@@ -1,0 +1,66 @@
+"""Helpers for the inference tests: chi-square bounds, exact AR continuation distributions, reference greedy."""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from nemo_spec.inference.sampling import SamplingParams, warp_logits
+from nemo_spec.models import gpt_forward
+
+
+def chi2_critical(df: int, z: float = 3.29) -> float:
+    """Upper chi-square quantile (Wilson-Hilferty); z=3.29 is the one-sided 0.9995 normal quantile."""
+    a = 2.0 / (9.0 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_stat(samples: Sequence, expected: Dict, min_count: float = 5.0) -> Tuple[float, int]:
+    """Pearson chi-square of samples against expected probabilities; cells under min_count pooled. Returns (stat, df)."""
+    n = len(samples)
+    obs = Counter(samples)
+    stat, cells = 0.0, 0
+    pool_e = pool_o = 0.0
+    for k, p in expected.items():
+        e = n * p
+        if e < min_count:
+            pool_e += e
+            pool_o += obs.get(k, 0)
+            continue
+        stat += (obs.get(k, 0) - e) ** 2 / e
+        cells += 1
+    missing = sum(c for k, c in obs.items() if k not in expected)
+    pool_o += missing
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
+        cells += 1
+    elif pool_o:
+        stat = float("inf")
+    return stat, max(cells - 1, 1)
+
+
+def exact_continuations(model, prompt: List[int], params: SamplingParams, n: int, vocab: int) -> Dict[tuple, float]:
+    """Exact probability of every length-n continuation under AR sampling with ``params`` (small vocab only)."""
+    probs: Dict[tuple, float] = {(): 1.0}
+    for step in range(n):
+        prefixes = [k for k in probs if len(k) == step]
+        x = torch.tensor([prompt + list(k) for k in prefixes])
+        with torch.no_grad():
+            p = warp_logits(gpt_forward(model, x).logits[:, -1], params)
+        for i, k in enumerate(prefixes):
+            for t in range(vocab):
+                if p[i, t] > 0:
+                    probs[k + (t,)] = probs[k] * float(p[i, t])
+    return {k: v for k, v in probs.items() if len(k) == n}
+
+
+def naive_greedy(model, prompt: List[int], n: int) -> List[int]:
+    """Greedy continuation by full recomputation (no cache, no batching)."""
+    x = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            x.append(int(gpt_forward(model, torch.tensor([x])).logits[0, -1].argmax()))
+    return x[len(prompt):]
