@@ -56,3 +56,35 @@ def tiny_tokenizer(out_dir: Optional[Path] = None, vocab_size: int = 128, chat_t
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
     return fast
+
+
+def small_train_config(run_dir: Path, algorithm: str = "eagle3", steps: int = 20, **trainer_kw: Any) -> Any:
+    """A TrainConfig sized for CPU tests (tiny batches, short sequences, no progress bar)."""
+    from nemo_spec.config import SpeculativeConfig
+    from nemo_spec.data import DataConfig
+    from nemo_spec.training import OptimConfig, TrainConfig, TrainerConfig
+
+    t = dict(max_steps=steps, train_bs=4, val_check_interval=0, ckpt_every_n_steps=0, progress_bar=False,
+             acceptance_prompts=0, limit_val_batches=2)
+    t.update(trainer_kw)
+    return TrainConfig(run_dir=str(run_dir),
+                       spec=SpeculativeConfig(algorithm=algorithm, num_medusa_heads=2, ttt_steps=2),
+                       data=DataConfig(path="in-memory", max_seq_len=48, val_fraction=0.1, val_max_samples=8),
+                       trainer=TrainerConfig(**t), optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2))
+
+
+def train_tiny_base(out_dir: Path, steps: int = 40) -> Path:
+    """Train a tiny Llama LM on the synthetic chats (loss on all tokens); save it with its tokenizer; return path."""
+    from nemo_spec.models import build_gpt
+    from nemo_spec.training import train
+    from tests.helpers import tiny_llama
+
+    tok_dir = out_dir / "tokenizer_src"
+    tok = tiny_tokenizer(tok_dir)
+    cfg = small_train_config(out_dir / "base_run", steps=steps)
+    cfg.train_base = True
+    cfg.tokenizer_path = str(tok_dir)
+    cfg.data.loss_on = "all"
+    res = train(cfg, model_factory=lambda: build_gpt(tiny_llama(vocab_size=128)), tokenizer=tok,
+                records=synthetic_chats(160, seed=1))
+    return res.final_checkpoint

@@ -1,0 +1,224 @@
+"""SpeculativeLightningModule: builds the model (and applies ``model_transform``) in ``configure_model``, before the
+optimizer exists, so the draft's new parameters are the ones being optimised.
+
+With a SpeculativeGPT the loss is its ``training_losses`` (EAGLE-1 / EAGLE-3 TTT / Medusa); with a plain GPTModel
+it is the language-model loss (vocab-parallel cross-entropy), which proves the stack on the base alone.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from nemo_spec.config import ModelConfig
+from nemo_spec.models.gpt import GPTOutput, gpt_forward
+from nemo_spec.training.config import LossConfig, OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
+    """Learning rate at ``step``: linear warm-up to ``lr`` then cosine decay to ``min_lr`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    if total <= warmup:
+        return lr
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+def tp_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of gradients: TP-sharded parameters summed over the TP group, replicated ones counted once."""
+    from megatron.core import parallel_state as ps
+
+    sharded = torch.zeros((), dtype=torch.float32)
+    replicated = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+    return (sharded + replicated).sqrt()
+
+
+def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> Dict[str, Any]:
+    """Next-token cross-entropy of a plain GPTModel (vocab-parallel, correct at any TP size)."""
+    from megatron.core import tensor_parallel
+
+    out = gpt_forward(model, input_ids, gather=False)
+    logits = out.logits[:, :-1].float()  # [b, s-1, V/tp]
+    target = input_ids[:, 1:]
+    mask = loss_mask[:, 1:].float()
+    ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                      target.transpose(0, 1).contiguous()).transpose(0, 1)
+    loss = (ce * mask).sum() / mask.sum().clamp(min=1.0)
+    return {"loss": loss, "step_losses": [loss.detach()], "step_acc": []}
+
+
+class SpeculativeLightningModule(pl.LightningModule):
+    """Draft (or plain LM) training around a megatron-core model built in ``configure_model``.
+
+    Give ``model_config`` (random base, for tests), ``model_path`` (loaded with nemo_spec.checkpoint.load_model)
+    or ``model_factory`` (a callable returning the model). ``model_transform`` (e.g. a SpeculativeTransform) is
+    applied right after the model is built, before ``configure_optimizers``.
+    """
+
+    def __init__(self, model_config: Optional[ModelConfig] = None, model_path: Optional[str] = None,
+                 model_transform: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
+                 optim: Optional[OptimConfig] = None, loss: Optional[LossConfig] = None, max_steps: int = 100,
+                 model_factory: Optional[Callable[[], torch.nn.Module]] = None,
+                 draft_vocab_counts: Optional[Callable[[int], torch.Tensor] | torch.Tensor] = None, seed: int = 1234,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if sum(x is not None for x in (model_config, model_path, model_factory)) != 1:
+            raise ValueError("give exactly one of model_config, model_path, model_factory")
+        self.model_config = model_config
+        self.model_path = model_path
+        self.model_factory = model_factory
+        self.model_transform = model_transform
+        self.optim = (optim or OptimConfig()).validate()
+        self.loss_cfg = loss or LossConfig()
+        self.max_steps = max_steps
+        self.draft_vocab_counts = draft_vocab_counts
+        self.seed = seed
+        self.params_dtype = params_dtype
+        self.model: Optional[torch.nn.Module] = None
+        self._consumed_in_epoch = 0
+        self._resume_position: Optional[Dict[str, int]] = None
+        self.samples_per_batch = 0  # global samples per micro-batch step (train_bs x DP), set by the runner
+
+    # ---- model ------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Build the model and apply ``model_transform`` (before optimizers are created)."""
+        if self.model is not None:
+            return
+        torch.manual_seed(self.seed)
+        if self.model_factory is not None:
+            model = self.model_factory()
+        elif self.model_path is not None:
+            from nemo_spec.checkpoint import load_model
+
+            model = load_model(self.model_path)
+        else:
+            from nemo_spec.models import build_gpt
+
+            model = build_gpt(self.model_config, params_dtype=self.params_dtype)
+        if self.model_transform is not None:
+            model = self.model_transform(model)
+        if self.draft_vocab_counts is not None and getattr(model, "algorithm", None) == "eagle3":
+            counts = self.draft_vocab_counts
+            if callable(counts):
+                counts = counts(model.model_config.vocab_size)
+            model.set_draft_vocab(counts.to(next(model.parameters()).device))
+        self.model = model
+        n_train = sum(p.numel() for p in self.trainable_parameters())
+        n_all = sum(p.numel() for p in model.parameters())
+        log.info("model ready: %d trainable / %d parameters on this rank", n_train, n_all)
+
+    @property
+    def is_speculative(self) -> bool:
+        """Whether the model carries a draft (SpeculativeGPT)."""
+        return hasattr(self.model, "training_losses") and hasattr(self.model, "draft")
+
+    def trainable_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Parameters with requires_grad (the draft, or everything for a plain GPT)."""
+        return (p for p in self.model.parameters() if p.requires_grad)
+
+    def trainable_state_dict(self) -> Dict[str, torch.Tensor]:
+        """State-dict entries of the trainable part (draft params + buffers such as d2t; all for a plain GPT)."""
+        if self.is_speculative:
+            prefix = "model." + self.model.draft_prefix
+            return {f"{prefix}{k}": v for k, v in self.model.draft.state_dict().items()
+                    if isinstance(v, torch.Tensor)}
+        return {k: v for k, v in self.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def compute_losses(self, batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        """Loss dict for a batch (draft losses, or LM loss for a plain GPT)."""
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        if not self.is_speculative:
+            return lm_loss(self.model, ids, mask)
+        base_out = None
+        if "base_hidden" in batch:  # offline mode: precomputed base outputs
+            aux = list(batch["base_aux"].unbind(2)) if "base_aux" in batch else []
+            base_out = GPTOutput(logits=batch["base_logits"].float(), hidden=batch["base_hidden"], aux_hidden=aux)
+        return self.model.training_losses(ids, mask.bool(), base_out=base_out, decay=self.loss_cfg.decay,
+                                          eagle1_ce_weight=self.loss_cfg.eagle1_ce_weight)
+
+    def _log_losses(self, out: Dict[str, Any], stage: str, batch_size: int) -> None:
+        on_step = stage == "train"
+        self.log(f"{stage}_loss", out["loss"].detach(), prog_bar=True, on_step=on_step, on_epoch=not on_step,
+                 batch_size=batch_size, sync_dist=not on_step)
+        for i, v in enumerate(out.get("step_losses", [])):
+            self.log(f"{stage}_loss_step{i}", torch.as_tensor(v, dtype=torch.float32), on_step=on_step,
+                     on_epoch=not on_step, batch_size=batch_size, sync_dist=not on_step)
+        for i, v in enumerate(out.get("step_acc", [])):
+            self.log(f"{stage}_acc_step{i}", torch.as_tensor(v, dtype=torch.float32), on_step=on_step,
+                     on_epoch=not on_step, prog_bar=(i == 0), batch_size=batch_size, sync_dist=not on_step)
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.compute_losses(batch)
+        self._consumed_in_epoch += self.samples_per_batch or batch["input_ids"].shape[0]
+        self._log_losses(out, "train", batch["input_ids"].shape[0])
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, batch_size=1)
+        return out["loss"]
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.compute_losses(batch)
+        self._log_losses(out, "val", batch["input_ids"].shape[0])
+
+    # ---- optimisation -----------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Dict[str, Any]:
+        """AdamW over trainable parameters only (no decay on biases/norms) + warm-up/cosine schedule per step."""
+        decay, no_decay = [], []
+        for n, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+        if not decay and not no_decay:
+            raise RuntimeError("the model has no trainable parameters (did model_transform freeze everything?)")
+        o = self.optim
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: warmup_cosine(step, o.warmup_steps, self.max_steps, o.lr, o.min_lr) / o.lr)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        """Clip by the global (TP-aware) gradient norm, identical on every rank; logs grad_norm."""
+        params = list(self.trainable_parameters())
+        norm = tp_grad_norm(params)
+        self.log("grad_norm", norm, on_step=True, batch_size=1)
+        if gradient_clip_val and gradient_clip_val > 0:
+            coef = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef.to(p.grad.device))
+
+    # ---- data position for exact resume -----------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["data_position"] = {"epoch": int(self.current_epoch), "consumed_in_epoch": self._consumed_in_epoch}
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get("data_position")
+
+    def on_train_epoch_start(self) -> None:
+        pos, self._resume_position = self._resume_position, None
+        dm = getattr(self.trainer, "datamodule", None)
+        sampler = getattr(dm, "train_sampler", None)
+        if pos is not None and pos["epoch"] == self.current_epoch and sampler is not None:
+            sampler.skip_samples(pos["consumed_in_epoch"])
+            self._consumed_in_epoch = pos["consumed_in_epoch"]
+            log.info("resuming epoch %d after %d consumed samples", self.current_epoch, self._consumed_in_epoch)
+        else:
+            self._consumed_in_epoch = 0

@@ -1,0 +1,182 @@
+"""The draft-training recipe: config -> data -> model (+ SpeculativeTransform) -> Lightning Trainer -> checkpoints."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from nemo_spec.config import ConfigError, dump_json
+from nemo_spec.training.callbacks import AcceptanceLengthCallback
+from nemo_spec.training.config import TrainConfig, TrainerConfig, train_config_to_dict
+from nemo_spec.training.module import SpeculativeLightningModule
+from nemo_spec.training.strategy import MegatronStrategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    module: SpeculativeLightningModule
+    trainer: pl.Trainer
+    run_dir: Path
+    final_checkpoint: Optional[Path] = None
+    tau_history: List[float] = field(default_factory=list)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_resolved_config(cfg: TrainConfig, run_dir: Path, yaml_text: Optional[str] = None) -> Path:
+    """Write the resolved config into the run directory (config.json, and config.yaml when given); rank 0 only."""
+    from nemo_spec.parallel import is_rank_zero
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if is_rank_zero() and int(os.environ.get("RANK", "0")) == 0:
+        _atomic_write(run_dir / "config.json", dump_json(train_config_to_dict(cfg)))
+        if yaml_text is not None:
+            _atomic_write(run_dir / "config.yaml", yaml_text)
+    return run_dir / "config.json"
+
+
+def planned_dp_size(tp: int) -> int:
+    """Data-parallel size this process will run with (from torchrun's WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp:
+        raise ConfigError(f"trainer.tensor_parallel_size={tp} does not divide the world size {world}")
+    return world // tp
+
+
+def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: List[pl.Callback],
+                  checkpoint_dir: Optional[Path] = None, loggers: bool = True) -> pl.Trainer:
+    """A Lightning Trainer on the megatron-aware strategy with TensorBoard + CSV loggers."""
+    strategy = MegatronStrategy(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed, accelerator_kind=t.accelerator)
+    cbs = list(callbacks)
+    if checkpoint_dir is not None and t.ckpt_every_n_steps > 0:
+        ckpt = ModelCheckpoint(dirpath=str(checkpoint_dir), filename="step{step:07d}", auto_insert_metric_name=False,
+                               every_n_train_steps=t.ckpt_every_n_steps, save_top_k=-1, save_last="link",
+                               save_on_train_epoch_end=False)
+        ckpt.CHECKPOINT_NAME_LAST = "last"
+        ckpt.FILE_EXTENSION = ""
+        cbs.append(ckpt)
+    if t.progress_bar:
+        cbs.append(TQDMProgressBar(refresh_rate=1))
+    lg: Any = False
+    if loggers:
+        lg = [TensorBoardLogger(str(run_dir), name="tb", version=""), CSVLogger(str(run_dir), name="csv", version="")]
+    val_every = t.val_check_interval * accumulate if t.val_check_interval > 0 else None
+    return pl.Trainer(
+        accelerator="gpu" if t.accelerator == "gpu" else "cpu", devices=1, strategy=strategy, precision=t.precision,
+        max_steps=t.max_steps, max_epochs=t.max_epochs, accumulate_grad_batches=accumulate,
+        gradient_clip_val=None, val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
+        limit_val_batches=t.limit_val_batches if val_every else 0, num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every_n_steps, callbacks=cbs, logger=lg, enable_checkpointing=checkpoint_dir is not None
+        and t.ckpt_every_n_steps > 0, enable_progress_bar=t.progress_bar, use_distributed_sampler=False,
+        default_root_dir=str(run_dir), enable_model_summary=False, deterministic=False)
+
+
+def token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
+    """Token frequencies [V] of a tokenised dataset (for the EAGLE-3 draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in dataset.samples:
+        counts += torch.bincount(s.input_ids.clamp(max=vocab_size - 1), minlength=vocab_size)
+    return counts
+
+
+def resolve_resume(cfg: TrainConfig, ckpt_dir: Path) -> Optional[str]:
+    """Checkpoint directory to resume from ('auto' -> ckpt_dir/last when it exists)."""
+    if cfg.resume in (None, "", "none"):
+        return None
+    if cfg.resume == "auto":
+        last = ckpt_dir / "last"
+        return str(last) if last.exists() else None
+    if not Path(cfg.resume).exists():
+        raise FileNotFoundError(f"resume={cfg.resume} does not exist")
+    return cfg.resume
+
+
+def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module]] = None, tokenizer: Any = None,
+          records: Optional[List[Dict[str, Any]]] = None, datamodule: Optional[pl.LightningDataModule] = None,
+          yaml_text: Optional[str] = None, save_final: bool = True) -> TrainResult:
+    """Run draft training as configured; returns the module, trainer and the final checkpoint path."""
+    from nemo_spec.data import SpecDataModule, load_tokenizer
+    from nemo_spec.speculative import SpeculativeTransform
+
+    cfg.validate()
+    t = cfg.trainer
+    if cfg.model_path is None and model_factory is None:
+        raise ConfigError("model_path is required (a base or speculative checkpoint directory)")
+    if cfg.model_path is not None and not Path(cfg.model_path).exists():
+        raise FileNotFoundError(f"model_path={cfg.model_path} does not exist")
+    run_dir = Path(cfg.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    save_resolved_config(cfg, run_dir, yaml_text)
+    dp = planned_dp_size(t.tensor_parallel_size)
+    accumulate = t.accumulation(dp)
+    pl.seed_everything(t.seed, workers=True, verbose=False)
+
+    tok_dir = None
+    if tokenizer is None and datamodule is None:
+        tok_path = cfg.tokenizer_path
+        if tok_path is None and cfg.model_path is not None:
+            from nemo_spec.checkpoint import find_tokenizer_dir
+
+            tok_path = find_tokenizer_dir(cfg.model_path)
+        if tok_path is None:
+            raise ConfigError(f"no tokenizer found in {cfg.model_path}; set tokenizer_path=...")
+        tok_dir = str(tok_path)
+        tokenizer = load_tokenizer(tok_path)
+    elif cfg.tokenizer_path:
+        tok_dir = cfg.tokenizer_path
+    if datamodule is None:
+        if cfg.offline:
+            from nemo_spec.training.offline import OfflineDataModule
+
+            datamodule = OfflineDataModule(cfg.data.offline_dir, t.train_bs, seed=cfg.data.seed,
+                                           val_fraction=cfg.data.val_fraction)
+        else:
+            datamodule = SpecDataModule(cfg.data, tokenizer, micro_batch_size=t.train_bs, records=records)
+
+    # The transform is built here and applied inside configure_model (before the optimizer).
+    transform = None if cfg.train_base else SpeculativeTransform(config=cfg.spec)
+    counts = None
+    if (transform is not None and cfg.spec.algorithm == "eagle3" and cfg.spec.draft_vocab_size is not None
+            and not cfg.offline):
+        datamodule.setup()
+        train_set = datamodule.train_set
+        counts = lambda vocab_size: token_counts(train_set, vocab_size)  # noqa: E731
+    module = SpeculativeLightningModule(model_path=cfg.model_path if model_factory is None else None,
+                                        model_factory=model_factory, model_transform=transform, optim=cfg.optim,
+                                        loss=cfg.loss, max_steps=t.max_steps, draft_vocab_counts=counts, seed=t.seed)
+    module.samples_per_batch = t.train_bs * dp
+    callbacks: List[pl.Callback] = []
+    tau_cb = None
+    if t.acceptance_prompts > 0 and hasattr(datamodule, "val_prompts") and transform is not None:
+        tau_cb = AcceptanceLengthCallback(lambda: datamodule.val_prompts(t.acceptance_prompts),
+                                          depth=t.acceptance_depth, max_new_tokens=t.acceptance_new_tokens)
+        callbacks.append(tau_cb)
+    trainer = build_trainer(t, run_dir, accumulate, callbacks, checkpoint_dir=ckpt_dir)
+    resume = resolve_resume(cfg, ckpt_dir)
+    log.info("training: dp=%d tp=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
+             dp, t.tensor_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    final = None
+    if save_final:
+        from nemo_spec.checkpoint import save_checkpoint
+
+        final = save_checkpoint(module.model, run_dir / "final", tokenizer_dir=tok_dir,
+                                extra={"trained_steps": int(trainer.global_step)}, overwrite=True)
+    return TrainResult(module, trainer, run_dir, final, tau_cb.history if tau_cb else [])
+
