@@ -345,40 +345,52 @@ def test_export_rejects_unrepresentable_config():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CLI
+# conversions and the CLI
 # ---------------------------------------------------------------------------------------------------------------
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
+def test_cli_export_hf_to_hf(tmp_path):
+    """One real CLI run (subprocess): HF -> HF re-export in fp16."""
+    ref_model = make_hf_model("gpt2", tmp_path / "hf")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cli_export_hf_to_hf_and_errors(tmp_path):
-    ref_model = make_hf_model("gpt2", tmp_path / "hf")
-    p = _run_cli("export", str(tmp_path / "hf"), str(tmp_path / "out"), "--dtype", "fp16")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "export", str(tmp_path / "hf"),
+                        str(tmp_path / "out"), "--dtype", "fp16"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float16"
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True,
                                                              dtype=torch.float32).eval()
     x = _ids()
-    assert (_hf_logits(back, x) - _hf_logits(ref_model, x)).abs().max() < 0.05
-    p = _run_cli("export", str(tmp_path / "hf"), str(tmp_path / "out"))
-    assert p.returncode != 0 and "not empty" in p.stderr
-    p = _run_cli("import", str(tmp_path / "missing"), str(tmp_path / "ck"))
-    assert p.returncode != 0 and "not a directory" in p.stderr and not (tmp_path / "ck").exists()
+    assert 0 < (_hf_logits(back, x) - _hf_logits(ref_model, x)).abs().max() < 0.05  # fp16 rounding only
 
 
-def test_cli_import_to_torch_dist(tmp_path):
+def test_convert_errors_before_work(tmp_path):
+    make_hf_model("gpt2", tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    with pytest.raises(HFCheckpointError, match="not empty"):
+        hf.convert_checkpoint_to_hf(tmp_path / "hf", tmp_path / "out")
+    with pytest.raises(HFCheckpointError, match="dtype"):
+        hf.convert_checkpoint_to_hf(tmp_path / "hf", tmp_path / "out2", dtype="fp8")
+    with pytest.raises(HFCheckpointError, match="not a directory"):
+        hf.convert_hf_to_checkpoint(tmp_path / "missing", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "out2").exists()
+
+
+def test_convert_hf_to_torch_dist_and_back(tmp_path):
     import nemo_spec.checkpoint as ck
 
     if not hasattr(ck, "save_checkpoint") or not hasattr(ck, "load_model"):
         pytest.skip("nemo_spec.checkpoint.save_checkpoint/load_model not available yet")
     ref_model = make_hf_model("llama", tmp_path / "hf")
-    p = _run_cli("import", str(tmp_path / "hf"), str(tmp_path / "ck"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    model = ck.load_model(tmp_path / "ck")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    hf.convert_hf_to_checkpoint(tmp_path / "hf", tmp_path / "ck")
+    assert ck.read_checkpoint_config(tmp_path / "ck")["converted_from_hf"] == str((tmp_path / "hf").resolve())
     x = _ids()
-    assert (_our_logits(model, x) - _hf_logits(ref_model, x)).abs().max() < 1e-4
+    ref = _hf_logits(ref_model, x)
+    assert (_our_logits(ck.load_model(tmp_path / "ck"), x) - ref).abs().max() < 1e-4
+    out = hf.convert_checkpoint_to_hf(tmp_path / "ck", tmp_path / "back")
+    assert (out / "tokenizer_config.json").is_file()  # tokenizer travelled HF -> torch_dist -> HF
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    assert (_hf_logits(back, x) - ref).abs().max() < 1e-4

@@ -795,3 +795,44 @@ def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional
     if error is not None:
         raise error
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# conversions used by scripts/convert_hf.py
+# --------------------------------------------------------------------------------------------------------------
+
+def has_tokenizer_files(path: PathLike) -> bool:
+    """True if ``path`` holds at least one tokenizer file."""
+    p = Path(path)
+    return p.is_dir() and any((p / n).is_file() for n in TOKENIZER_FILES)
+
+
+def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
+                             params_dtype: torch.dtype = torch.float32) -> Path:
+    """Import an HF directory (current TP size) and save it as our torch_dist checkpoint (all ranks call)."""
+    from nemo_spec.checkpoint import save_checkpoint  # type: ignore[attr-defined]  # written by the checkpoint helper
+
+    src = Path(hf_dir).resolve()
+    model = load_hf(src, params_dtype=params_dtype)
+    tok = src if has_tokenizer_files(src) else None
+    return save_checkpoint(model, out_dir, tokenizer_dir=tok, extra={"converted_from_hf": str(src)})
+
+
+def convert_checkpoint_to_hf(ckpt_dir: PathLike, out_dir: PathLike, dtype: Union[str, torch.dtype] = torch.float32,
+                             tokenizer_dir: Optional[PathLike] = None, architecture: Optional[str] = None,
+                             overwrite: bool = False) -> Path:
+    """Export the base model of any checkpoint ``load_model`` reads (or an HF dir) as an HF directory (all ranks)."""
+    src = Path(ckpt_dir)
+    resolve_dtype(dtype)  # fail before loading anything
+    out = Path(out_dir)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True to replace it)")
+    if is_hf_dir(src):
+        model = load_hf(src)
+        tok = Path(tokenizer_dir) if tokenizer_dir else (src if has_tokenizer_files(src) else None)
+    else:
+        from nemo_spec.checkpoint import find_tokenizer_dir, load_model  # type: ignore[attr-defined]
+
+        model = load_model(src)
+        tok = Path(tokenizer_dir) if tokenizer_dir else find_tokenizer_dir(src)
+    return export_hf(model, out, tokenizer_dir=tok, dtype=dtype, architecture=architecture, overwrite=overwrite)

@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Convert between Hugging Face directories and nemo_spec (Megatron torch_dist) checkpoints.
+
+  python scripts/convert_hf.py import HF_DIR CKPT_DIR            # HF -> torch_dist (+ tokenizer, config)
+  python scripts/convert_hf.py export CKPT_DIR HF_DIR --dtype bf16   # torch_dist / legacy / HF -> HF
+  torchrun --nproc_per_node 2 scripts/convert_hf.py import HF_DIR CKPT_DIR --tp 2
+"""
+import argparse
+import logging
+import sys
+
+from nemo_spec import parallel
+from nemo_spec.checkpoint import hf
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("direction", choices=["import", "export"], help="import: HF -> torch_dist; export: -> HF")
+    ap.add_argument("src", help="source directory")
+    ap.add_argument("dst", help="destination directory (written atomically)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun when > 1)")
+    ap.add_argument("--dtype", default="fp32", help="export: fp32 | bf16 | fp16 (import keeps fp32 parameters)")
+    ap.add_argument("--tokenizer_dir", default=None, help="export: tokenizer files to copy (default: from src)")
+    ap.add_argument("--architecture", default=None, choices=sorted(hf.SUPPORTED_ARCHITECTURES),
+                    help="export: HF architecture to write (default: derived from the model config)")
+    ap.add_argument("--overwrite", action="store_true", help="export: replace a non-empty destination")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parallel.initialize(tensor_parallel_size=args.tp)
+    try:
+        if args.direction == "import":
+            out = hf.convert_hf_to_checkpoint(args.src, args.dst)
+        else:
+            out = hf.convert_checkpoint_to_hf(args.src, args.dst, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir,
+                                              architecture=args.architecture, overwrite=args.overwrite)
+    except (hf.HFCheckpointError, ValueError, FileNotFoundError) as e:
+        logging.getLogger("convert_hf").error("%s", e)
+        return 2
+    finally:
+        parallel.destroy()
+    logging.getLogger("convert_hf").info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
