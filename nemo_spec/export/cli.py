@@ -1,0 +1,62 @@
+"""``scripts/export.py``: export a saved checkpoint (base + draft) to serving formats.
+
+Single process or under ``torchrun --nproc_per_node N`` (the checkpoint is loaded at TP = ``--tp_size``, default
+the world size, whatever TP it was saved with; rank 0 writes).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from nemo_spec.export import FORMATS, export_checkpoint
+from nemo_spec.export.formats import DTYPES, ExportError
+
+log = logging.getLogger("nemo_spec.export")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line arguments of scripts/export.py."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", "--model_path", dest="checkpoint", required=True,
+                   help="nemo_spec torch_dist checkpoint (e.g. from gpt_speculate.py or training)")
+    p.add_argument("--export_dir", required=True, help="output directory (base/, draft/, README.md)")
+    p.add_argument("--format", default="auto", choices=FORMATS,
+                   help="draft format; auto = the checkpoint's draft algorithm (base only if untransformed)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of exported floating tensors")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty export_dir")
+    p.add_argument("--no_base", action="store_true", help="write only the draft (no base/ HF directory)")
+    p.add_argument("--base_name", default=None,
+                   help="base_model_name_or_path recorded in the draft config (default: export_dir/base)")
+    p.add_argument("--tp_size", type=int, default=None, help="tensor-parallel size to load at (default: world size)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the process exit code (2 on a user error, with a one-line message)."""
+    import torch.distributed as dist
+
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import CheckpointError
+    from nemo_spec.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    owns = not dist.is_initialized()
+    try:
+        tp = args.tp_size or int(os.environ.get("WORLD_SIZE", "1"))
+        parallel.initialize(tensor_parallel_size=tp)
+        out = export_checkpoint(args.checkpoint, args.export_dir, fmt=args.format, dtype=args.dtype,
+                                overwrite=args.overwrite, include_base=not args.no_base, base_name=args.base_name)
+        if parallel.is_rank_zero():
+            log.info("export written to %s (see %s)", out, out / "README.md")
+    except (ExportError, CheckpointError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owns:
+            parallel.destroy()
+    return 0

@@ -1,0 +1,292 @@
+"""Export of drafts to serving formats (EAGLE-3, EAGLE-1, Medusa) + the HF base: layout, semantics, round trip, errors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_spec.export import ExportError, detect_draft_format, export_checkpoint, export_model, import_draft
+from nemo_spec.export.formats import merge_qkv, split_qkv
+from tests.export_utils import (
+    ALGS, feature_width, load_dir_tensors, make_model, our_draft_logits, reference_eagle1, reference_eagle3,
+    reference_medusa,
+)
+from tests.helpers import ROOT
+
+B, S = 2, 9
+
+
+def _save(model, path):
+    from nemo_spec.checkpoint import save_checkpoint
+
+    return save_checkpoint(model, path)
+
+
+def _inputs(model, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.model_config.vocab_size, (B, S), generator=g)
+    feats = torch.randn(B, S, feature_width(model), generator=g)
+    return ids, feats
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """TP=1 checkpoints of each algorithm, saved and exported (fp32) once for the module."""
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for alg in ALGS:
+        model = make_model(alg, seed=0).eval()
+        ckpt = _save(model, root / f"ckpt_{alg}")
+        exp = export_checkpoint(ckpt, root / f"exp_{alg}", dtype="fp32")
+        out[alg] = (model, ckpt, exp)
+    return out
+
+
+def test_qkv_split_merge_is_per_group_gqa():
+    heads, groups, d = 6, 2, 3
+    # label every fused row with (kind, head, dim): megatron order per group = [q heads of g, k_g, v_g]
+    rows, per = [], heads // groups
+    for g in range(groups):
+        rows += [("q", g * per + i, j) for i in range(per) for j in range(d)]
+        rows += [("k", g, j) for j in range(d)] + [("v", g, j) for j in range(d)]
+    code = {r: n for n, r in enumerate(rows)}
+    fused = torch.tensor([[float(code[r])] for r in rows])
+    q, k, v = split_qkv(fused, heads, groups, d)
+    assert q[:, 0].tolist() == [code[("q", h, j)] for h in range(heads) for j in range(d)]
+    assert k[:, 0].tolist() == [code[("k", g, j)] for g in range(groups) for j in range(d)]
+    assert v[:, 0].tolist() == [code[("v", g, j)] for g in range(groups) for j in range(d)]
+    assert torch.equal(merge_qkv(q, k, v, heads, groups, d), fused)
+    with pytest.raises(ExportError, match="rows"):
+        split_qkv(fused[:-1], heads, groups, d)
+
+
+def test_eagle3_layout_and_reference_semantics(exported):
+    from transformers import AutoModelForCausalLM
+
+    model, _, exp = exported["eagle3"]
+    cfg, draft = model.model_config, exp / "draft"
+    conf = json.loads((draft / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == 48
+    assert conf["vocab_size"] == cfg.vocab_size and conf["target_hidden_size"] == cfg.hidden_size
+    assert conf["num_key_value_heads"] == 2 and conf["num_hidden_layers"] == 1
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert conf["base_model_name_or_path"] == str(exp / "base")
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
+    w = load_dir_tensors(draft, ["model.safetensors"])
+    expected = {
+        "fc.weight": (h, 3 * h), "midlayer.hidden_norm.weight": (h,), "midlayer.input_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,), "midlayer.mlp.gate_proj.weight": (cfg.ffn_hidden_size, h),
+        "midlayer.mlp.up_proj.weight": (cfg.ffn_hidden_size, h), "midlayer.mlp.down_proj.weight": (h, cfg.ffn_hidden_size),
+        "norm.weight": (h,), "lm_head.weight": (48, h), "d2t": (48,), "t2d": (cfg.vocab_size,),
+    }
+    assert {k: tuple(v.shape) for k, v in w.items()} == expected
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 48
+
+    # the base as transformers loads it supplies the aux features by vLLM's layer ids (hidden_states[j])
+    hf = AutoModelForCausalLM.from_pretrained(exp / "base", dtype=torch.float32).eval()
+    ids, _ = _inputs(model)
+    with torch.no_grad():
+        hf_out = hf(ids, output_hidden_states=True)
+        ours = model.base_forward(ids)
+    assert (hf_out.logits - ours.logits).abs().max() < 1e-4  # base export: logit parity in transformers
+    feats = torch.cat([hf_out.hidden_states[j] for j in conf["eagle_aux_hidden_state_layer_ids"]], -1)
+    ref_logits, base_ids, _ = reference_eagle3(draft, hf.get_input_embeddings().weight.detach(), ids[:, 1:],
+                                               feats[:, :-1])
+    with torch.no_grad():
+        our_logits = model.draft_step(ids[:, 1:], model.fuse(model.base_features(ours))[:, :-1])[1]
+    assert (ref_logits - our_logits).abs().max() < 1e-4
+    assert torch.equal(base_ids, model.draft_to_base_ids(torch.arange(48)))
+
+
+def test_eagle1_layout_and_reference_semantics(exported):
+    from transformers import AutoModelForCausalLM
+
+    model, _, exp = exported["eagle1"]
+    cfg, draft = model.model_config, exp / "draft"
+    conf = json.loads((draft / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM"] and conf["num_hidden_layers"] == 2 and conf["bias"] is True
+    w = load_dir_tensors(draft, ["pytorch_model.bin"])
+    w2 = load_dir_tensors(draft, ["model.safetensors"])
+    assert w.keys() == w2.keys() and all(torch.equal(w[k], w2[k]) for k in w)
+    assert "layers.0.input_layernorm.weight" not in w and "layers.1.input_layernorm.weight" in w
+    assert tuple(w["fc.weight"].shape) == (cfg.hidden_size, 2 * cfg.hidden_size) and "fc.bias" in w
+    assert tuple(w["embed_tokens.weight"].shape) == (cfg.vocab_size, cfg.hidden_size)
+    assert not any(k.startswith(("norm", "lm_head")) for k in w)
+
+    hf = AutoModelForCausalLM.from_pretrained(exp / "base", dtype=torch.float32).eval()
+    ids, _ = _inputs(model)
+    with torch.no_grad():
+        last = hf.model(ids).last_hidden_state
+        ours = model.base_forward(ids)
+        our_logits = model.draft_step(ids[:, 1:], model.base_features(ours)[:, :-1])[1]
+    ref_logits, _ = reference_eagle1(draft, hf.lm_head.weight.detach(), ids[:, 1:], last[:, :-1])
+    assert (ref_logits - our_logits).abs().max() < 1e-4
+
+
+def test_medusa_layout_and_reference_semantics(exported):
+    model, _, exp = exported["medusa"]
+    cfg, draft = model.model_config, exp / "draft"
+    conf = json.loads((draft / "config.json").read_text())
+    assert (conf["medusa_num_heads"], conf["medusa_num_layers"]) == (3, 1)
+    assert conf["base_model_name_or_path"] == str(exp / "base")
+    w = load_dir_tensors(draft, ["medusa_lm_head.safetensors"])
+    wpt = load_dir_tensors(draft, ["medusa_lm_head.pt"])
+    assert w.keys() == wpt.keys()
+    assert set(w) == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")} | {f"{k}.1.weight" for k in range(3)}
+    assert tuple(w["2.1.weight"].shape) == (cfg.vocab_size, cfg.hidden_size)
+    _, hidden = _inputs(model)
+    ref, _ = reference_medusa(draft, hidden)
+    assert (ref - our_draft_logits(model, None, hidden)).abs().max() < 1e-4
+    assert detect_draft_format(exp / "draft_vllm") == "medusa_vllm"
+    vw = load_dir_tensors(exp / "draft_vllm", ["model.safetensors"])
+    assert torch.equal(vw["blocks.1.layers.0.weight"], w["1.0.linear.weight"])
+    assert torch.equal(vw["lm_heads.2.weight"], w["2.1.weight"])
+
+
+@pytest.mark.parametrize("alg", list(ALGS))
+def test_import_back_gives_identical_draft_logits(exported, alg):
+    model, _, exp = exported[alg]
+    fresh = make_model(alg, seed=11).eval()
+    fresh.gpt.load_state_dict(model.gpt.state_dict())
+    ids, feats = _inputs(model)
+    assert (our_draft_logits(fresh, ids, feats) - our_draft_logits(model, ids, feats)).abs().max() > 1e-3
+    assert import_draft(fresh, exp) == alg
+    assert torch.equal(our_draft_logits(fresh, ids, feats), our_draft_logits(model, ids, feats))
+    if alg == "eagle3":
+        assert torch.equal(fresh.d2t, model.d2t) and torch.equal(fresh.t2d, model.t2d)
+
+
+def test_medusa_two_layers_round_trip_through_vllm_layout(tmp_path):
+    model = make_model("medusa", seed=2, num_medusa_layers=2).eval()
+    exp = export_model(model, tmp_path / "exp", dtype="fp32", include_base=False, base_name="my/base")
+    assert json.loads((exp / "draft" / "config.json").read_text())["base_model_name_or_path"] == "my/base"
+    fresh = make_model("medusa", seed=9, num_medusa_layers=2).eval()
+    fresh.gpt.load_state_dict(model.gpt.state_dict())
+    assert import_draft(fresh, exp / "draft_vllm") == "medusa_vllm"
+    _, hidden = _inputs(model)
+    assert torch.equal(our_draft_logits(fresh, None, hidden), our_draft_logits(model, None, hidden))
+    assert not (exp / "base").exists()
+
+
+def test_bf16_export_dtypes_and_readme(tmp_path):
+    model = make_model("eagle3", seed=1)
+    exp = export_model(model, tmp_path / "exp", dtype="bf16")
+    from safetensors.torch import load_file
+
+    raw = load_file(str(exp / "draft" / "model.safetensors"))
+    assert raw["fc.weight"].dtype == torch.bfloat16 and raw["lm_head.weight"].dtype == torch.bfloat16
+    assert raw["d2t"].dtype == torch.int64 and raw["t2d"].dtype == torch.bool
+    assert json.loads((exp / "draft" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert all(v.dtype == torch.bfloat16 for v in load_file(str(exp / "base" / "model.safetensors")).values())
+    info = json.loads((exp / "export_info.json").read_text())
+    assert info["format"] == "eagle3" and info["dtype"] == "bfloat16" and info["speculative"]["draft_vocab_size"] == 48
+    readme = (exp / "README.md").read_text()
+    assert f"vllm serve {exp / 'base'}" in readme and '"method": "eagle3"' in readme
+    assert f"--speculative-draft-model-path {exp / 'draft'}" in readme and "EAGLE3" in readme
+    # bf16 import back: the draft equals the bf16-rounded original
+    fresh = make_model("eagle3", seed=4)
+    import_draft(fresh, exp)
+    for (k, a), (_, b) in zip(sorted(model.draft.state_dict().items()), sorted(fresh.draft.state_dict().items())):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            assert torch.equal(a.to(torch.bfloat16).float(), b), k
+
+
+def test_errors_before_work(tmp_path):
+    from nemo_spec.models import build_gpt
+    from tests.export_utils import base_config
+
+    plain = build_gpt(base_config())
+    with pytest.raises(ExportError, match="not transformed"):
+        export_model(plain, tmp_path / "a", fmt="eagle3")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ExportError, match="unknown export format 'eagle2'"):
+        export_model(make_model("medusa"), tmp_path / "b", fmt="eagle2")
+    with pytest.raises(ExportError, match="medusa draft; it cannot be exported as eagle1"):
+        export_model(make_model("medusa"), tmp_path / "b", fmt="eagle1")
+    with pytest.raises(ExportError, match="unknown export dtype 'fp8'"):
+        export_model(make_model("medusa"), tmp_path / "b", dtype="fp8")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="not empty.*overwrite"):
+        export_model(make_model("medusa"), tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x"
+    # an untransformed model exports its base only with format auto
+    exp = export_model(plain, tmp_path / "base_only")
+    assert (exp / "base" / "config.json").is_file() and not (exp / "draft").exists()
+    with pytest.raises(ExportError, match="holds no draft"):
+        import_draft(make_model("eagle1"), exp)
+
+
+def test_eagle_formats_refuse_non_llama_base(tmp_path):
+    from nemo_spec.models import build_gpt
+    from nemo_spec.speculative import SpeculativeTransform
+    from tests.helpers import tiny_gpt2
+
+    m = SpeculativeTransform(algorithm="eagle1")(build_gpt(tiny_gpt2()))
+    with pytest.raises(ExportError, match="Llama-style.*normalization='LayerNorm'"):
+        export_model(m, tmp_path / "x")
+
+
+def test_import_rejects_wrong_algorithm_and_shapes(exported, tmp_path):
+    _, _, exp = exported["eagle1"]
+    with pytest.raises(ExportError, match="holds a eagle1 draft but the model's draft is eagle3"):
+        import_draft(make_model("eagle3"), exp)
+    other = make_model("eagle3", draft_vocab_size=32)
+    with pytest.raises(ExportError, match="output_layer.weight"):
+        import_draft(other, exported["eagle3"][2])
+
+
+def test_failed_export_leaves_nothing_and_keeps_previous(tmp_path, monkeypatch):
+    import nemo_spec.export as ex
+
+    model = make_model("eagle1", seed=3)
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full (injected)")
+
+    monkeypatch.setattr(ex, "_write_draft_dir", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        export_model(model, tmp_path / "exp")
+    assert list(tmp_path.iterdir()) == []  # no export dir, no temp dir left behind
+    monkeypatch.undo()
+    first = export_model(model, tmp_path / "exp", dtype="fp32")
+    before = sorted(p.relative_to(first) for p in first.rglob("*"))
+    monkeypatch.setattr(ex, "_write_draft_dir", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        export_model(model, tmp_path / "exp", overwrite=True, dtype="bf16")
+    assert sorted(p.relative_to(first) for p in first.rglob("*")) == before
+    assert json.loads((first / "export_info.json").read_text())["dtype"] == "float32"
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]
+
+
+def test_untransformed_checkpoint_as_draft_fails_before_loading(tmp_path):
+    from nemo_spec.models import build_gpt
+    from tests.export_utils import base_config
+
+    ckpt = _save(build_gpt(base_config()), tmp_path / "plain")
+    with pytest.raises(ExportError, match=r"checkpoint .*plain has no draft.*not transformed"):
+        export_checkpoint(ckpt, tmp_path / "out", fmt="medusa")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli(exported, tmp_path, capsys):
+    from nemo_spec.export.cli import main
+
+    _, ckpt, _ = exported["eagle3"]
+    args = ["--checkpoint", str(ckpt), "--export_dir", str(tmp_path / "cli"), "--dtype", "fp16"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert detect_draft_format(tmp_path / "cli") == "eagle3"
+    assert json.loads((tmp_path / "cli" / "draft" / "config.json").read_text())["torch_dtype"] == "float16"
+    # user errors: exit code 2 and a one-line message (run in-process; same entry point)
+    assert main(args) == 2 and "not empty" in capsys.readouterr().err
+    assert main(args[:-2] + ["--format", "medusa", "--overwrite"]) == 2
+    assert "cannot be exported as medusa" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "missing"), "--export_dir", str(tmp_path / "x")]) == 2
+    assert str(tmp_path / "missing") in capsys.readouterr().err
