@@ -235,3 +235,38 @@ def ensure_base(preset: Union[str, BasePreset] = "small", seed: int = 0,
                 cache_dir: Union[str, Path, None] = None) -> BaseModel:
     """The cached built-in base model, built first if needed (alias of :func:`build_base` without force)."""
     return build_base(preset, seed=seed, cache_dir=cache_dir, force=False)
+
+
+def run_from_config(cfg: Any) -> BaseModel:
+    """Build (or fetch) the base model from a Hydra/OmegaConf config shaped like ``conf/build_base.yaml``."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    unknown = sorted(set(container) - {"base", "seed", "cache_dir", "force", "threads", "progress"})
+    if unknown:
+        raise ConfigError(f"build_base config: unknown key(s) {unknown}")
+    if "base" not in container:
+        raise ConfigError("build_base config: missing 'base' (choose a preset: base=tiny|small|base)")
+    preset = BasePreset.from_dict(container["base"], source="build_base config 'base'")
+    threads = container.get("threads")
+    if threads is not None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"build_base config: threads must be a positive int or null, got {threads!r}")
+        torch.set_num_threads(threads)
+    return build_base(preset, seed=int(container.get("seed", 0)), cache_dir=container.get("cache_dir"),
+                      force=bool(container.get("force", False)), progress=bool(container.get("progress", True)))
+
+
+def summary(result: BaseModel) -> str:
+    """A few human-readable lines about a build (for the CLI)."""
+    m = result.metrics
+    return "\n".join([
+        f"base model : {result.preset} (seed {result.seed}){' [cached]' if result.cached else ''}",
+        f"checkpoint : {result.checkpoint}",
+        f"tokenizer  : {result.tokenizer_dir}",
+        f"parameters : {m.get('num_parameters', 0) / 1e6:.2f}M, vocab {m.get('vocab_size')}",
+        f"trained on : {m.get('train_tokens', 0) / 1e6:.2f}M tokens ({m.get('epochs')} epochs) "
+        f"in {m.get('train_seconds')} s (build {m.get('build_seconds')} s)",
+        f"held-out   : loss {m.get('heldout_loss', float('nan')):.4f}, "
+        f"perplexity {m.get('heldout_perplexity', float('nan')):.2f} on {m.get('heldout_tokens')} tokens",
+    ])

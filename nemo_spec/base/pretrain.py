@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -69,6 +71,41 @@ class EpochShuffleSampler(Sampler[int]):
             yield from perm[:left]
             left -= len(perm[:left])
             epoch += 1
+
+
+class StepLog(L.Callback):
+    """Logs step, loss, throughput and ETA about ``times`` times per run (useful when stderr is not a terminal)."""
+
+    def __init__(self, tokens_per_step: int, times: int = 10) -> None:
+        self.tokens_per_step, self.times = tokens_per_step, times
+        self.t0 = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0 = time.time()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        every = max(1, total // self.times)
+        if step % every and step != total:
+            return
+        dt = time.time() - self.t0
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        log.info("step %d/%d loss %.4f | %.0f tok/s | elapsed %.0f s, ETA %.0f s", step, total, float(loss),
+                 step * self.tokens_per_step / max(dt, 1e-9), dt, dt / max(step, 1) * (total - step))
+
+
+def _progress_bar(refresh_rate: int) -> L.Callback:
+    """Rich bar in a terminal, else tqdm (which still prints elapsed/ETA lines into a log file)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    if sys.stderr.isatty():
+        try:
+            from lightning.pytorch.callbacks import RichProgressBar
+
+            return RichProgressBar()
+        except (ImportError, ModuleNotFoundError):
+            pass
+    return TQDMProgressBar(refresh_rate=refresh_rate)
 
 
 def lr_lambda(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
@@ -138,7 +175,10 @@ def pretrain(model_config: ModelConfig, train: TrainConfig, train_stream: torch.
 
         loggers.append(CSVLogger(str(log_dir), name="", version=""))
     gpu = torch.cuda.is_available()
-    trainer = L.Trainer(
+    callbacks: List[L.Callback] = [StepLog(train.micro_batch_size * train.seq_len)]
+    if progress:
+        callbacks.append(_progress_bar(max(1, train.max_steps // 20)))
+    trainer = L.Trainer(callbacks=callbacks, 
         accelerator="gpu" if gpu else "cpu", devices=1, max_steps=train.max_steps, max_epochs=1,
         precision="bf16-mixed" if gpu else "32-true", gradient_clip_val=train.grad_clip or None,
         logger=loggers or False, enable_checkpointing=False, enable_progress_bar=progress,
@@ -153,7 +193,7 @@ def pretrain(model_config: ModelConfig, train: TrainConfig, train_stream: torch.
     finally:  # the Trainer switches deterministic algorithms on process-wide; restore the caller's setting
         torch.use_deterministic_algorithms(was_deterministic)
     final_train_loss = float(trainer.callback_metrics.get("loss", float("nan")))
-    eval_trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, logger=False,
+    eval_trainer = L.Trainer(callbacks=[_progress_bar(1)] if progress else None, accelerator="gpu" if gpu else "cpu", devices=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
                              precision="bf16-mixed" if gpu else "32-true")
     res = eval_trainer.validate(module, dataloaders=eval_dl, verbose=False)
