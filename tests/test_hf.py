@@ -160,6 +160,16 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
     assert (_our_logits(load_hf(legacy), x) - _hf_logits(g, x)).abs().max() < 1e-4
 
 
+def test_load_bf16_params(tmp_path):
+    ref_model = make_hf_model("llama", tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf", params_dtype=torch.bfloat16)
+    assert ours.decoder.layers[0].self_attention.linear_qkv.weight.dtype == torch.bfloat16
+    assert ours.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    x = _ids()
+    err = (_our_logits(ours, x) - _hf_logits(ref_model, x)).abs().max().item()
+    assert 0 < err < 0.1  # bf16 rounding only
+
+
 def test_export_bf16_with_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -232,6 +242,23 @@ def test_legacy_config_fields_map():
                             "activation_function": "gelu"})
     assert (g.family, g.ffn_hidden_size, g.activation, g.position_embedding) == ("gpt2", 128, "gelu_exact", "learned")
     assert g.tie_word_embeddings and g.add_bias_linear and g.norm_eps == 1e-6
+
+
+def test_sliding_window_config_mapping():
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    qwen = dict(base, architectures=["Qwen2ForCausalLM"], sliding_window=1024, max_window_layers=2)
+    assert hf_to_model_config(dict(qwen, use_sliding_window=False)).max_position_embeddings == 4096
+    assert hf_to_model_config(dict(qwen, use_sliding_window=True)).max_position_embeddings == 1024
+    assert hf_to_model_config(dict(qwen, layer_types=["full_attention"] * 4)).max_position_embeddings == 4096
+    assert hf_to_model_config(dict(qwen, layer_types=["full_attention", "sliding_attention"] * 2)
+                              ).max_position_embeddings == 1024
+    mistral = dict(base, architectures=["MistralForCausalLM"])
+    assert hf_to_model_config(dict(mistral, sliding_window=None)).max_position_embeddings == 4096
+    assert hf_to_model_config(dict(mistral, sliding_window=8192)).max_position_embeddings == 4096
+    assert hf_to_model_config(dict(mistral, sliding_window=512)).max_position_embeddings == 512
+    q = hf_to_model_config(qwen)
+    assert q.add_qkv_bias and not q.add_bias_linear  # Qwen2 always has q/k/v biases
 
 
 def test_exported_config_reads_back_identically():
@@ -390,7 +417,12 @@ def test_convert_hf_to_torch_dist_and_back(tmp_path):
     x = _ids()
     ref = _hf_logits(ref_model, x)
     assert (_our_logits(ck.load_model(tmp_path / "ck"), x) - ref).abs().max() < 1e-4
+    assert (_our_logits(ck.load_model(tmp_path / "hf"), x) - ref).abs().max() < 1e-4  # HF dir autodetected
+    tok_dir = ck.find_tokenizer_dir(tmp_path / "ck")
+    assert tok_dir is not None and not (tok_dir / "model.safetensors").exists()  # tokenizer files only
     out = hf.convert_checkpoint_to_hf(tmp_path / "ck", tmp_path / "back")
     assert (out / "tokenizer_config.json").is_file()  # tokenizer travelled HF -> torch_dist -> HF
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     assert (_hf_logits(back, x) - ref).abs().max() < 1e-4

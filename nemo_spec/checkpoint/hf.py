@@ -814,8 +814,14 @@ def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
 
     src = Path(hf_dir).resolve()
     model = load_hf(src, params_dtype=params_dtype)
-    tok = src if has_tokenizer_files(src) else None
-    return save_checkpoint(model, out_dir, tokenizer_dir=tok, extra={"converted_from_hf": str(src)})
+    with tempfile.TemporaryDirectory(prefix="nemo_spec_hf_tok-") as tmp:
+        tok: Optional[Path] = None
+        if has_tokenizer_files(src):  # only tokenizer files (and the generation config), never the weights
+            tok = Path(tmp)
+            _copy_tokenizer(src, tok)
+            if (src / "generation_config.json").is_file():
+                shutil.copy2(src / "generation_config.json", tok / "generation_config.json")
+        return save_checkpoint(model, out_dir, tokenizer_dir=tok, extra={"converted_from_hf": str(src)})
 
 
 def convert_checkpoint_to_hf(ckpt_dir: PathLike, out_dir: PathLike, dtype: Union[str, torch.dtype] = torch.float32,
