@@ -67,10 +67,11 @@ def _sampling_params(served: ServedModel, req: P._Request, max_tokens: int, seed
     from nemo_spec.inference import SamplingParams
 
     temperature = 1.0 if req.temperature is None else req.temperature
+    ignore_eos = req.ignore_eos or bool(served.spec.options.get("ignore_eos"))
     try:
         return SamplingParams(temperature=temperature, top_k=req.top_k or 0,
                               top_p=1.0 if req.top_p is None else req.top_p, max_new_tokens=max_tokens,
-                              stop_token_ids=tuple(served.eos_ids), seed=seed)
+                              stop_token_ids=() if ignore_eos else tuple(served.eos_ids), seed=seed)
     except (ValueError, TypeError, ConfigError) as e:
         raise P.invalid(f"invalid sampling parameters: {e}") from e
 

@@ -100,8 +100,10 @@ def _engine(model: torch.nn.Module, method: str, options: Dict[str, Any], draft_
             tokenizer: Any, prompts: List[List[int]], params: List[Any], on_tokens: Any) -> List[Any]:
     from nemo_spec.inference import generate
 
+    # end-of-sequence is handled per row through SamplingParams.stop_token_ids (so requests may ignore_eos)
+    opts = {**options, "ignore_eos": True}
     with torch.inference_mode():
-        return generate(model, prompts, params, method=method, draft_model=draft_model, options=dict(options),
+        return generate(model, prompts, params, method=method, draft_model=draft_model, options=opts,
                         tokenizer=tokenizer, on_tokens=on_tokens)
 
 

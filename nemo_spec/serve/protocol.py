@@ -41,6 +41,7 @@ class _Request(BaseModel):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)  # extension (vLLM-style); 0 = disabled
+    ignore_eos: bool = False  # extension (vLLM-style): generate max_tokens even past the end-of-sequence token
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
     stream_options: Optional["StreamOptions"] = None

@@ -65,7 +65,10 @@ class ServerThread:
     def stop(self, timeout: float = 30.0) -> None:
         """Ask uvicorn to exit, wait for it, and unload the models."""
         self.server.should_exit = True
-        self._thread.join(timeout)
+        self._thread.join(min(timeout, 2.0))
+        if self._thread.is_alive():  # still waiting on open keep-alive connections: stop now
+            self.server.force_exit = True
+            self._thread.join(timeout)
         self._sock.close()
         if self._thread.is_alive():
             log.warning("uvicorn thread did not stop within %.0fs", timeout)
