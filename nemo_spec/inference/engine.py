@@ -232,6 +232,10 @@ class Engine:
         self.kv.keep(self.kv.lengths[:, None] + src, num)
         return StepResult(out=out, paths=paths, emitted=emitted)
 
+    def retire(self, r: int) -> None:
+        """Drop a finished row's cache entries so it no longer widens the attention window."""
+        self.kv.lengths[r] = self.kv.starts[r]
+
     # -- bookkeeping --------------------------------------------------------------------------------
 
     def emit(self, st: BatchState, r: int, toks: List[int], tokenizer: Any, on_tokens: Optional[OnTokens],
@@ -304,6 +308,9 @@ def run_generation(engine: Engine, proposer: Any, prompts: List[List[int]], para
             st.pending = nxt
             for r in st.active_rows():
                 engine.emit(st, r, res.emitted[r], tokenizer, on_tokens, stops)
+                if st.finish[r] is not None:
+                    engine.retire(r)
+                    proposer.retire(r)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - t0

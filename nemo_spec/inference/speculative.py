@@ -45,6 +45,12 @@ class ARProposer:
     def accepted(self, eng: Engine, st: BatchState, res: StepResult) -> None:
         """Nothing to sync."""
 
+    def retire(self, r: int) -> None:
+        """Release a finished row's draft cache entries."""
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            cache.lengths[r] = cache.starts[r]
+
 
 class PromptLookupProposer(ARProposer):
     """n-gram prompt lookup: copy the continuation of the latest earlier match of the last n tokens."""

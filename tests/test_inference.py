@@ -1,0 +1,180 @@
+"""Generation engine: greedy equality of every method with AR (batch 1 and ragged batch 4), caches, stops, errors."""
+import pytest
+import torch
+
+from nemo_spec.inference import SamplingError, SamplingParams, generate, get_engine
+from nemo_spec.models import build_gpt, model_config
+from nemo_spec.speculative import SpeculativeTransform
+from tests.helpers import tiny_gpt2, tiny_llama
+from tests.inference_utils import naive_greedy
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3], [40, 41, 42, 40, 41, 42, 40], [77]]
+OPTS = {"depth": 3, "top_k": 3, "total_tokens": 10, "num_draft_tokens": 3}
+
+
+def _target(make=tiny_llama, seed=0):
+    torch.manual_seed(seed)
+    return build_gpt(make()).eval()
+
+
+def _clone(model):
+    """A separate GPTModel with the same weights."""
+    c = build_gpt(model_config(model)).eval()
+    c.load_state_dict(model.state_dict())
+    return c
+
+
+def _noisy_copy(model, scale=0.002, seed=1):
+    """A draft that mostly agrees with the target (exercises partial, ragged acceptance)."""
+    d = _clone(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return d
+
+
+def _spec(model, alg):
+    kw = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3}}.get(alg, {})
+    torch.manual_seed(3)
+    spec = SpeculativeTransform(algorithm=alg, **kw)(_clone(model))
+    if alg == "eagle3":
+        spec.set_draft_vocab(torch.arange(96, 0, -1).float())
+    return spec.eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    m = _target()
+    ref = [naive_greedy(m, p, 10) for p in PROMPTS]
+    return m, ref
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_ar_batched_equals_unbatched_equals_naive(make):
+    m = _target(make)
+    sp = SamplingParams(max_new_tokens=10)
+    ref = [naive_greedy(m, p, 10) for p in PROMPTS]
+    assert [o.tokens for o in generate(m, PROMPTS, sp)] == ref
+    assert [generate(m, [p], sp)[0].tokens for p in PROMPTS] == ref
+
+
+CASES = [("prompt_lookup", None), ("draft_model", "random"), ("draft_model", "noisy"), ("eagle", "eagle1"),
+         ("eagle", "eagle3"), ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa")]
+
+
+@pytest.mark.parametrize("method,kind", CASES)
+def test_speculative_greedy_equals_ar(llama, method, kind):
+    m, ref = llama
+    sp = SamplingParams(max_new_tokens=10)
+    model, draft = m, None
+    if method == "draft_model":
+        draft = build_gpt(tiny_llama(num_layers=1)).eval() if kind == "random" else _noisy_copy(m)
+    elif kind is not None:
+        model = _spec(m, kind)
+    outs = generate(model, PROMPTS, sp, method=method, draft_model=draft, options=OPTS)
+    assert [o.tokens for o in outs] == ref
+    assert [generate(model, [p], sp, method=method, draft_model=draft, options=OPTS)[0].tokens
+            for p in PROMPTS[:2]] == ref[:2]
+    for o in outs:
+        s = o.stats
+        assert s["method"] == method and s["new_tokens"] == 10
+        assert s["target_forwards"] == sum(s["accept_hist"]) + 1  # prefill + one verification per step
+        assert abs(s["tau"] - 10 / s["target_forwards"]) < 1e-9
+        assert (s["draft_forwards"] > 0) == (method != "prompt_lookup") and s["tokens_per_s"] > 0 and s["peak_memory_bytes"] > 0
+    if kind == "noisy":
+        assert max(max(len(o.stats["accept_hist"]) for o in outs), 0) > 2  # multi-token acceptance happened
+        assert len({o.stats["target_forwards"] for o in outs}) > 1 or outs[0].stats["tau"] > 1.5  # ragged rows
+
+
+def test_perfect_draft_accepts_everything(llama):
+    m, ref = llama
+    outs = generate(m, PROMPTS, SamplingParams(max_new_tokens=10), method="draft_model", draft_model=m,
+                    options={"num_draft_tokens": 4})
+    assert [o.tokens for o in outs] == ref
+    assert all(o.stats["target_forwards"] == 3 for o in outs)  # 1 + 5 + 5 tokens (4 drafts + bonus)
+
+
+def test_per_row_max_tokens_stops_and_streaming(llama):
+    m, ref = llama
+    params = [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=10, stop_token_ids=(ref[1][4],)),
+              SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=6)]
+    seen = {r: [] for r in range(4)}
+
+    def on_tokens(row, toks):
+        seen[row].extend(toks)
+        return not (row == 2 and len(seen[row]) >= 2)  # cancel row 2 after its second token
+
+    outs = generate(m, PROMPTS, params, method="prompt_lookup", on_tokens=on_tokens, options=OPTS)
+    stop_at = ref[1].index(ref[1][4])
+    assert outs[0].tokens == ref[0][:3] and outs[0].finish_reason == "length"
+    assert outs[1].tokens == ref[1][:stop_at] and outs[1].finish_reason == "stop"
+    assert outs[2].finish_reason == "cancelled" and outs[2].tokens == ref[2][: len(outs[2].tokens)]
+    assert outs[3].tokens == ref[3][:6]
+    assert all(seen[r] == outs[r].tokens for r in range(4))
+
+
+def test_stop_strings_with_tokenizer(llama):
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+
+    m, ref = llama
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    stop = f"w{ref[0][2]}"
+    out = generate(m, [PROMPTS[0]], SamplingParams(max_new_tokens=10, stop_strings=(stop,)), tokenizer=tok)[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert out.tokens == ref[0][: len(out.tokens)] and len(out.tokens) >= 3
+    with pytest.raises(SamplingError, match="tokenizer"):
+        generate(m, [PROMPTS[0]], SamplingParams(stop_strings=("x",)))
+
+
+def test_cache_reused_and_recreated(llama):
+    m, ref = llama
+    sp = SamplingParams(max_new_tokens=10)
+    generate(m, PROMPTS, sp)
+    eng = get_engine(m)
+    c1 = eng.caches["target"]
+    assert [o.tokens for o in generate(m, PROMPTS, sp)] == ref
+    assert eng.caches["target"] is c1  # same shape: reset and reused
+    generate(m, PROMPTS[:2], sp)
+    assert eng.caches["target"] is not c1 and eng.caches["target"].batch_size == 2
+    c2 = eng.caches["target"]
+    generate(m, PROMPTS[:2], SamplingParams(max_new_tokens=100))
+    assert eng.caches["target"] is not c2  # longer budget: re-created
+
+
+def test_pad_id_is_a_parameter(llama):
+    m, ref = llama
+    for pad in (0, 95):
+        assert [o.tokens for o in generate(m, PROMPTS, SamplingParams(max_new_tokens=10), options={"pad_id": pad})] == ref
+    with pytest.raises(SamplingError, match="pad_id"):
+        generate(m, PROMPTS, SamplingParams(max_new_tokens=2), options={"pad_id": 96})
+
+
+def test_bad_inputs_give_clear_errors(llama):
+    m, _ = llama
+    with pytest.raises(SamplingError, match="prompt 1 has 256 tokens"):
+        generate(m, [[1], [1] * 256], SamplingParams())
+    with pytest.raises(SamplingError, match="max_new_tokens=250 exceeds"):
+        generate(m, [[1] * 10], SamplingParams(max_new_tokens=250))
+    with pytest.raises(SamplingError, match="KV cache"):
+        generate(m, [[1] * 10], SamplingParams(max_new_tokens=50), options={"max_cache_len": 32})
+    with pytest.raises(SamplingError, match="outside"):
+        generate(m, [[1, 200]], SamplingParams())
+    with pytest.raises(SamplingError, match="empty"):
+        generate(m, [[]], SamplingParams())
+    with pytest.raises(SamplingError, match="unknown generation method"):
+        generate(m, [[1]], SamplingParams(), method="beam")
+    with pytest.raises(SamplingError, match="draft_model="):
+        generate(m, [[1]], SamplingParams(), method="draft_model")
+    with pytest.raises(SamplingError, match="SpeculativeGPT"):
+        generate(m, [[1]], SamplingParams(), method="eagle")
+    with pytest.raises(SamplingError, match="top_p"):
+        generate(m, [[1]], SamplingParams(top_p=2.0))
+    with pytest.raises(SamplingError, match="num_draft_tokens"):
+        generate(m, [[1]], SamplingParams(), method="prompt_lookup", options={"num_draft_tokens": 0})
+    with pytest.raises(SamplingError, match="medusa"):
+        generate(_spec(m, "eagle1"), [[1]], SamplingParams(), method="medusa")
+    with pytest.raises(SamplingError, match="prefix"):
+        generate(_spec(m, "medusa"), [[1]], SamplingParams(), method="medusa", options={"medusa_choices": [(0, 1)]})
