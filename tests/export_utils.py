@@ -162,3 +162,18 @@ def reference_medusa(draft_dir: Path, hidden: torch.Tensor):
             x = x + F.silu(x @ w[f"{k}.{j}.linear.weight"].T + w[f"{k}.{j}.linear.bias"])
         outs.append(x @ w[f"{k}.{conf['medusa_num_layers']}.weight"].T)
     return torch.stack(outs), w
+
+
+def make_tokenizer_dir(path: Path, vocab_size: int = 96) -> Path:
+    """A small word-level HF tokenizer (vocab_size entries) with a chat template, saved with save_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(vocab_size - len(specials))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    fast.save_pretrained(str(path))
+    return path

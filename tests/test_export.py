@@ -10,18 +10,18 @@ import torch
 from nemo_spec.export import ExportError, detect_draft_format, export_checkpoint, export_model, import_draft
 from nemo_spec.export.formats import merge_qkv, split_qkv
 from tests.export_utils import (
-    ALGS, feature_width, load_dir_tensors, make_model, our_draft_logits, reference_eagle1, reference_eagle3,
-    reference_medusa,
+    ALGS, feature_width, load_dir_tensors, make_model, make_tokenizer_dir, our_draft_logits, reference_eagle1,
+    reference_eagle3, reference_medusa,
 )
 from tests.helpers import ROOT
 
 B, S = 2, 9
 
 
-def _save(model, path):
+def _save(model, path, tokenizer_dir=None):
     from nemo_spec.checkpoint import save_checkpoint
 
-    return save_checkpoint(model, path)
+    return save_checkpoint(model, path, tokenizer_dir=tokenizer_dir)
 
 
 def _inputs(model, seed=3):
@@ -35,10 +35,11 @@ def _inputs(model, seed=3):
 def exported(tmp_path_factory):
     """TP=1 checkpoints of each algorithm, saved and exported (fp32) once for the module."""
     root = tmp_path_factory.mktemp("export")
+    tok = make_tokenizer_dir(root / "tok")
     out = {}
     for alg in ALGS:
         model = make_model(alg, seed=0).eval()
-        ckpt = _save(model, root / f"ckpt_{alg}")
+        ckpt = _save(model, root / f"ckpt_{alg}", tokenizer_dir=tok if alg == "eagle3" else None)
         exp = export_checkpoint(ckpt, root / f"exp_{alg}", dtype="fp32")
         out[alg] = (model, ckpt, exp)
     return out
@@ -100,6 +101,12 @@ def test_eagle3_layout_and_reference_semantics(exported):
         our_logits = model.draft_step(ids[:, 1:], model.fuse(model.base_features(ours))[:, :-1])[1]
     assert (ref_logits - our_logits).abs().max() < 1e-4
     assert torch.equal(base_ids, model.draft_to_base_ids(torch.arange(48)))
+    # the checkpoint's tokenizer (with its chat template) travels into base/
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(exp / "base")
+    assert tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=False) == "user w1 w2 </s> "
+    assert tok("w1 w2")["input_ids"] == [4, 5]
 
 
 def test_eagle1_layout_and_reference_semantics(exported):
@@ -290,3 +297,34 @@ def test_cli(exported, tmp_path, capsys):
     assert "cannot be exported as medusa" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path / "missing"), "--export_dir", str(tmp_path / "x")]) == 2
     assert str(tmp_path / "missing") in capsys.readouterr().err
+
+
+def test_tp2_export_and_import(exported, tmp_path):
+    """TP=2 checkpoints export to the same files as their TP=1 load; exports import exactly at TP=1 and TP=2."""
+    from nemo_spec.checkpoint import load_model
+    from tests.helpers import run_torchrun
+
+    blob = {}
+    for alg, (model, ckpt, exp) in exported.items():
+        ids, feats = _inputs(model)
+        blob[alg] = {"ckpt": str(ckpt), "export": str(exp), "ids": ids, "feats": feats,
+                     "logits": our_draft_logits(model, ids, feats)}
+    torch.save(blob, tmp_path / "blob.pt")
+    stdout = run_torchrun(ROOT / "tests" / "dist_scripts" / "export_tp2.py", [tmp_path], timeout=600)
+    assert "EXPORT_TP2_OK" in stdout
+    tp2 = torch.load(tmp_path / "tp2_out.pt")
+    for alg in ALGS:
+        exp2 = tmp_path / f"exp_tp2_{alg}"
+        # the TP=2 checkpoint loaded at TP=1 exports byte-identical tensors (TP gather == exact reshard)
+        m1 = load_model(tmp_path / f"ckpt_tp2_{alg}").eval()
+        exp1 = export_model(m1, tmp_path / f"exp_tp1_{alg}", dtype="fp32")
+        for sub in ("draft", "base"):
+            names = ["medusa_lm_head.safetensors"] if (alg, sub) == ("medusa", "draft") else ["model.safetensors"]
+            a, b = load_dir_tensors(exp1 / sub, names), load_dir_tensors(exp2 / sub, names)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (alg, sub)
+        # the TP=2 export imported at TP=1 reproduces the TP=2 draft logits
+        fresh = make_model(alg, seed=13).eval()
+        fresh.gpt.load_state_dict(m1.gpt.state_dict())
+        import_draft(fresh, exp2)
+        ids, feats = blob[alg]["ids"], blob[alg]["feats"]
+        assert (our_draft_logits(fresh, ids, feats) - tp2[alg]["logits"]).abs().max() < 1e-5

@@ -138,6 +138,10 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux], "use_aux_hidden_state": True},
     })
+    if cfg.num_layers - 1 in aux:
+        log.warning("EAGLE-3 aux layer %d is the base's last layer: vLLM captures the hidden states entering layers "
+                    "0..%d (ids), so id %d is not captured there; choose aux_layers below %d for vLLM",
+                    cfg.num_layers - 1, cfg.num_layers - 1, cfg.num_layers, cfg.num_layers - 1)
     if n_layers > 1:
         log.warning("EAGLE-3 with %d draft layers: layers 1.. are written as layers.N.* (vLLM's layout); "
                     "SGLang and the EAGLE reference code load a single midlayer only", n_layers)
