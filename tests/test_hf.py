@@ -54,11 +54,16 @@ def _hf_config(kind: str, **kw):
     if kind == "gpt2":
         return T.GPT2Config(**{"vocab_size": V, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
                                "bos_token_id": 0, "eos_token_id": 0, **kw})
+    if kind == "gpt2_untied":  # exact GELU, separate lm_head, n_inner != 4h
+        return T.GPT2Config(**{"vocab_size": V, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                               "n_inner": 96, "activation_function": "gelu", "tie_word_embeddings": False,
+                               "bos_token_id": 0, "eos_token_id": 0, **kw})
     raise ValueError(kind)
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "llama_linear": "LlamaForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+         "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel",
+         "gpt2_untied": "GPT2LMHeadModel"}
 
 
 def make_hf_model(kind: str, path: Path, seed: int = 0, **kw) -> torch.nn.Module:
@@ -85,7 +90,7 @@ def _our_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return gpt_forward(model.eval(), x).logits.float()
 
 
-FAMILIES = ["llama", "llama3", "llama_linear", "qwen2", "mistral", "gpt2"]
+FAMILIES = ["llama", "llama3", "llama_linear", "qwen2", "mistral", "gpt2", "gpt2_untied"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
