@@ -1,0 +1,133 @@
+"""Server model management, auth and speculative serving: admin load/switch/unload of real checkpoints,
+Bearer keys, and EAGLE / prompt-lookup decoding at batch > 1 matching plain greedy decoding."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from nemo_spec.inference import SamplingParams, generate
+from tests.serve_utils import clone_model, live_server, tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    train_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(tok)
+
+
+def _greedy_text(ref, tok, prompt, max_tokens):
+    res = generate(ref, [tok(prompt).input_ids], SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
+                                                                stop_token_ids=(tok.eos_token_id,)))[0]
+    return tok.decode(res.tokens, skip_special_tokens=True)
+
+
+def test_api_keys_and_admin_load_switch_unload(model, tok, tok_dir, tmp_path):
+    from nemo_spec.checkpoint.hf import export_hf
+
+    other = tiny_model(tok, seed=1)
+    ckpt_a = export_hf(clone_model(model), tmp_path / "hf_a", tokenizer_dir=tok_dir)
+    ckpt_b = export_hf(other, tmp_path / "hf_b", tokenizer_dir=tok_dir)
+    ref_a, ref_b = clone_model(model), clone_model(other)
+    prompt = "the cat sat on"
+    with live_server(model, tok, name="tiny", api_keys=("sk-user",), admin_key="sk-admin") as srv:
+        url = srv.url
+        # Bearer auth on every endpoint
+        for path in ("/v1/models", "/health", "/metrics"):
+            assert httpx.get(url + path).status_code == 401
+            assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(url + path, headers={"Authorization": "Bearer sk-user"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sk-user", max_retries=0, timeout=120)
+        assert c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text \
+            == _greedy_text(ref_a, tok, prompt, 8)
+
+        # admin endpoints need the admin key, not a user key
+        user, admin = {"Authorization": "Bearer sk-user"}, {"Authorization": "Bearer sk-admin"}
+        spec = {"name": "second", "path": str(ckpt_b), "max_batch": 4}
+        assert httpx.post(url + "/admin/models/load", json=spec, headers=user).status_code == 401
+        bad = httpx.post(url + "/admin/models/load", json={"name": "x", "path": str(tmp_path / "missing")},
+                         headers=admin, timeout=60)
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        bad = httpx.post(url + "/admin/models/load", json={"name": "x", "path": str(ckpt_b), "methd": "ar"},
+                         headers=admin, timeout=60)
+        assert bad.status_code == 400 and "methd" in bad.json()["error"]["message"]
+        r = httpx.post(url + "/admin/models/load", json=spec, headers=admin, timeout=300)
+        assert r.status_code == 200, r.text
+        assert sorted(m.id for m in c.models.list().data) == ["second", "tiny"]
+        assert httpx.post(url + "/admin/models/load", json=spec, headers=admin).status_code == 409
+        out = c.completions.create(model="second", prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == _greedy_text(ref_b, tok, prompt, 8)
+
+        # switch "second" to checkpoint A: same name, new weights
+        r = httpx.post(url + "/admin/models/switch", json={"name": "second", "path": str(ckpt_a)}, headers=admin,
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        out = c.completions.create(model="second", prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == _greedy_text(ref_a, tok, prompt, 8)
+        listing = httpx.get(url + "/admin/models", headers=admin).json()["models"]
+        assert {m["id"]: m["path"] for m in listing}["second"] == str(ckpt_a)
+
+        r = httpx.post(url + "/admin/models/unload", json={"name": "second"}, headers=admin, timeout=60)
+        assert r.status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="second", prompt=prompt, max_tokens=2)
+        assert httpx.post(url + "/admin/models/unload", json={"name": "second"}, headers=admin).status_code == 404
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_admin_disabled_without_admin_key(model, tok):
+    with live_server(model, tok, name="tiny") as srv:
+        r = httpx.post(srv.url + "/admin/models/unload", json={"name": "tiny"},
+                       headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+        assert httpx.get(srv.url + "/v1/models").status_code == 200  # no api_keys -> open
+
+
+@pytest.mark.parametrize("method,transform,options", [
+    ("prompt_lookup", None, {"num_draft_tokens": 3}),
+    ("eagle", "eagle1", {"num_draft_tokens": 3}),
+])
+def test_speculative_serving_batched_matches_greedy(model, tok, method, transform, options):
+    from nemo_spec.speculative import SpeculativeTransform
+
+    served = clone_model(model)
+    if transform:
+        served = SpeculativeTransform(algorithm=transform, num_eagle_layers=1)(served).eval()
+    ref = clone_model(model)
+    prompts = ["the cat sat on a mat and the cat sat on", "we read code , write tests , we read code ,",
+               "hello world , this is a tiny", "numbers 1 2 3 4 5 6 1 2 3"]
+    expected = [_greedy_text(ref, tok, p, 12) for p in prompts]
+    with live_server(served, tok, name="spec", method=method, options=options, max_batch=4,
+                     batch_wait_ms=200) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def one(p):
+            return c.completions.create(model="spec", prompt=p, max_tokens=12, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(one, prompts, timeout=120))
+        assert got == expected
+        batcher = srv.manager.get("spec").batcher
+        assert batcher.batches_run < len(prompts)  # rows really shared engine batches
+        metrics = httpx.get(srv.url + "/metrics").text
+        tau = [l for l in metrics.splitlines() if l.startswith("nemo_spec_acceptance_length_count")]
+        assert tau and float(tau[0].split()[-1]) >= len(prompts)
