@@ -8,6 +8,7 @@ from nemo_spec.speculative import SpeculativeTransform
 from tests.helpers import tiny_gpt2, tiny_llama
 from tests.inference_utils import naive_greedy
 
+torch.set_num_threads(1)  # tiny models: threading only adds overhead on shared CPUs
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3], [40, 41, 42, 40, 41, 42, 40], [77]]
 OPTS = {"depth": 3, "top_k": 3, "total_tokens": 10, "num_draft_tokens": 3}
 
