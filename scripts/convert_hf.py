@@ -14,6 +14,7 @@ from nemo_spec.checkpoint import hf
 
 
 def main(argv=None) -> int:
+    """Parse arguments, set up the parallel state, convert, return the exit code."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("direction", choices=["import", "export"], help="import: HF -> torch_dist; export: -> HF")
     ap.add_argument("src", help="source directory")

@@ -161,7 +161,7 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
     sd = {k.removeprefix("transformer."): v for k, v in g.state_dict().items() if k != "lm_head.weight"}
     for i in range(2):
         sd[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64))[None, None]
-    torch.save(sd, legacy / "pytorch_model.bin")
+    torch.save(sd, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # pre-1.6 format
     assert (_our_logits(load_hf(legacy), x) - _hf_logits(g, x)).abs().max() < 1e-4
 
 

@@ -448,9 +448,14 @@ def _read_weights(files: Iterable[Path], model_type: str, shapes_only: bool
                 raise HFCheckpointError(f"{f}: cannot read safetensors file ({e})") from e
         else:
             try:
-                sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
+                    sd = torch.load(str(f), map_location="cpu", weights_only=True)
             except Exception as e:
                 raise HFCheckpointError(f"{f}: cannot read torch weights file ({e})") from e
+            if not isinstance(sd, dict):
+                raise HFCheckpointError(f"{f}: expected a state dict, got {type(sd).__name__}")
             for k, v in sd.items():
                 if isinstance(v, torch.Tensor):
                     out[_normalize_name(k, model_type)] = tuple(v.shape) if shapes_only else v
