@@ -179,3 +179,29 @@ def test_bad_inputs_give_clear_errors(llama):
         generate(_spec(m, "eagle1"), [[1]], SamplingParams(), method="medusa")
     with pytest.raises(SamplingError, match="prefix"):
         generate(_spec(m, "medusa"), [[1]], SamplingParams(), method="medusa", options={"medusa_choices": [(0, 1)]})
+
+
+def test_tp2_generation_equals_tp1(llama, tmp_path):
+    from nemo_spec.checkpoint.tp import is_tensor_entry
+    from tests.helpers import ROOT, run_torchrun
+
+    m, ref = llama
+    sd = lambda mod: {k: v for k, v in mod.state_dict().items() if is_tensor_entry(k, v)}  # noqa: E731
+    draft = _noisy_copy(m)
+    spec_kw = {"eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3}}
+    specs = {alg: _spec(m, alg) for alg in spec_kw}
+    sp = SamplingParams(max_new_tokens=8)
+    refs = {}
+    for method, kind in [("ar", None), ("prompt_lookup", None), ("draft_model", None), ("eagle", "eagle3"),
+                         ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa")]:
+        model = specs.get(kind, m)
+        refs[(method, kind)] = [o.tokens for o in generate(model, PROMPTS, sp, method=method, draft_model=draft,
+                                                            options=OPTS)]
+        assert refs[(method, kind)] == [r[:8] for r in ref]
+    blob = {"config": model_config(m).to_dict(), "target": sd(m), "draft_config": model_config(draft).to_dict(),
+            "draft": sd(draft), "spec_kw": spec_kw, "specs": {a: sd(s) for a, s in specs.items()},
+            "prompts": PROMPTS, "options": OPTS, "max_new": 8, "ref": refs}
+    path = tmp_path / "gen.pt"
+    torch.save(blob, path)
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "gen_tp.py", [path], timeout=300)
+    assert "TP2_GEN_OK 7" in out
