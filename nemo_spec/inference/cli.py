@@ -1,0 +1,166 @@
+"""Command-line generation: prompts from arguments, a file or stdin; streams text; prints stats (scripts/generate.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+from nemo_spec.inference.sampling import SamplingError, SamplingParams
+from nemo_spec.inference.speculative import METHODS
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser of scripts/generate.py."""
+    p = argparse.ArgumentParser(description="Generate text with a nemo_spec / Megatron / Hugging Face checkpoint, "
+                                            "optionally with speculative decoding.")
+    p.add_argument("prompts", nargs="*", help="prompt texts ('-' or none: read prompts from stdin, one per line)")
+    p.add_argument("--model", required=True, help="checkpoint directory (nemo_spec torch_dist, Megatron-LM or HF)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir/file (default: the checkpoint's tokenizer)")
+    p.add_argument("--prompt-file", default=None,
+                   help="file with one prompt per line, or JSONL with a 'prompt' field per line")
+    p.add_argument("--method", default="ar", choices=METHODS)
+    p.add_argument("--draft-model", default=None, help="checkpoint of the smaller draft GPT (method draft_model)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft length (eagle chain, draft_model, prompt_lookup)")
+    p.add_argument("--depth", type=int, default=None, help="eagle_tree: tree depth")
+    p.add_argument("--tree-top-k", type=int, default=None, help="eagle_tree: top-k children per level")
+    p.add_argument("--total-tokens", type=int, default=None, help="eagle_tree: draft nodes verified per step")
+    p.add_argument("--medusa-choices", default=None, help="medusa: JSON list of rank paths, e.g. '[[0],[1],[0,0]]'")
+    p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram matched")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-stream", action="store_true", help="print each completion only when it is finished")
+    p.add_argument("--stats-json", default=None, help="write per-request stats to this JSON file")
+    return p
+
+
+def read_prompts(args: argparse.Namespace, stdin: TextIO) -> List[str]:
+    """Prompts from positional arguments, --prompt-file, or stdin."""
+    prompts = [a for a in args.prompts if a != "-"]
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise SamplingError(f"--prompt-file {path} does not exist")
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    prompts.append(str(json.loads(line)["prompt"]))
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise SamplingError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field ({e})") from e
+            else:
+                prompts.append(line.replace("\\n", "\n"))
+    if not prompts or "-" in args.prompts:
+        prompts += [line.replace("\\n", "\n") for line in stdin.read().splitlines() if line.strip()]
+    if not prompts:
+        raise SamplingError("no prompts given (arguments, --prompt-file or stdin)")
+    return prompts
+
+
+def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """Method options dict for :func:`nemo_spec.inference.generate`."""
+    opts: Dict[str, Any] = {}
+    for key, val in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth), ("top_k", args.tree_top_k),
+                     ("total_tokens", args.total_tokens), ("max_ngram", args.max_ngram)]:
+        if val is not None:
+            opts[key] = val
+    if args.medusa_choices:
+        try:
+            opts["medusa_choices"] = [tuple(c) for c in json.loads(args.medusa_choices)]
+        except (json.JSONDecodeError, TypeError) as e:
+            raise SamplingError(f"--medusa-choices must be a JSON list of lists, got {args.medusa_choices!r}") from e
+    if args.ignore_eos:
+        opts["ignore_eos"] = True
+    return opts
+
+
+class TextStreamer:
+    """Prints newly accepted text of one row as it arrives (decodes the whole row, prints the new suffix)."""
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        self.tok, self.out = tokenizer, out
+        self.ids: List[int] = []
+        self.printed = ""
+
+    def __call__(self, row: int, ids: List[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # incomplete multi-byte character: wait for more tokens
+            return None
+        self.out.write(text[len(self.printed):] if text.startswith(self.printed) else "\n" + text)
+        self.out.flush()
+        self.printed = text
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+         stderr: TextIO = sys.stderr) -> int:
+    """Run the generate CLI; returns the process exit code."""
+    import torch
+
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import find_tokenizer_dir, load_model
+    from nemo_spec.data.chat import load_tokenizer
+    from nemo_spec.inference.generate import generate
+
+    args = build_parser().parse_args(argv)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), seed=args.seed)
+    if args.batch_size < 1:
+        raise SamplingError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.method == "draft_model" and not args.draft_model:
+        raise SamplingError("--method draft_model needs --draft-model PATH")
+    options = options_from_args(args)
+    prompts = read_prompts(args, stdin)
+    tok_path = args.tokenizer or find_tokenizer_dir(args.model)
+    if tok_path is None:
+        raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")
+    tokenizer = load_tokenizer(tok_path)
+    parallel.initialize(tensor_parallel_size=args.tp or 1)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_model(args.model, dtype=dtype)
+    draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    rank0 = parallel.is_rank_zero()
+    records = []
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start: start + args.batch_size]
+        ids = [tokenizer.encode(p, add_special_tokens=False) or [0] for p in chunk]
+        stream = rank0 and not args.no_stream and len(chunk) == 1
+        streamer = TextStreamer(tokenizer, stdout) if stream else None
+        if stream:
+            stdout.write(chunk[0])
+        results = generate(model, ids, params, method=args.method, draft_model=draft, options=options,
+                           tokenizer=tokenizer, on_tokens=streamer)
+        for i, (prompt, res) in enumerate(zip(chunk, results)):
+            if rank0:
+                if stream:
+                    stdout.write("\n")
+                else:
+                    stdout.write(f"=== [{start + i}] ===\n{prompt}{res.text}\n")
+                s = res.stats
+                stderr.write(f"[{start + i}] {args.method}: {s['new_tokens']} tokens, finish={res.finish_reason}, "
+                             f"tau={s['tau']:.2f}, target_forwards={s['target_forwards']}, "
+                             f"draft_forwards={s['draft_forwards']}, {s['tokens_per_s']:.1f} tok/s, "
+                             f"accept_hist={s['accept_hist']}, peak_mem={s['peak_memory_bytes'] / 2**20:.0f} MiB\n")
+            records.append({"prompt": prompt, "text": res.text, "tokens": res.tokens,
+                            "finish_reason": res.finish_reason, "stats": res.stats})
+    if args.stats_json and rank0:
+        path = Path(args.stats_json)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(records, indent=2))
+        tmp.replace(path)
+    return 0

@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""Generate text (AR or speculative: eagle, eagle_tree, medusa, draft_model, prompt_lookup); see --help."""
+import logging
+import sys
+
+from nemo_spec.inference.cli import main
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(main())
