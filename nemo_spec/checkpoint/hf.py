@@ -53,7 +53,6 @@ SUPPORTED_ARCHITECTURES: Dict[str, str] = {
     "GPT2LMHeadModel": "gpt2",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-_LLAMA_TYPES = ("llama", "qwen2", "mistral")
 
 #: Tokenizer / chat-template files copied along on export.
 TOKENIZER_FILES = (

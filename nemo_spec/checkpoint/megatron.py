@@ -157,7 +157,8 @@ def model_config_from(cfg: Dict[str, Any], source: str) -> ModelConfig:
     try:
         return ModelConfig.from_dict(cfg["model"], source=f"{source}: field 'model'")
     except ConfigError as e:
-        raise CheckpointConfigError(str(e)) from e
+        msg = str(e)
+        raise CheckpointConfigError(msg if source in msg else f"{source}: field 'model': {msg}") from e
 
 
 def speculative_config_from(cfg: Dict[str, Any], model_cfg: ModelConfig, source: str) -> Optional[SpeculativeConfig]:
@@ -349,8 +350,10 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
     if not ok:
         if rank0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if err is not None:
+        if isinstance(err, (CheckpointError, KeyboardInterrupt, SystemExit)):
             raise err
+        if err is not None:
+            raise CheckpointError(f"saving {target} failed ({type(err).__name__}: {err}); nothing was written") from err
         raise CheckpointError(f"saving {target} failed on another rank; nothing was written")
     log.info("saved %s checkpoint to %s (tp=%d)", FORMAT_NAME, target, parallel.tp_size())
     return target

@@ -1,0 +1,276 @@
+"""nemo_spec torch_dist checkpoints: round trips, TP resharding (torchrun), atomic writes, errors."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from nemo_spec.checkpoint import (CheckpointConfigError, CheckpointError, detect_format, find_tokenizer_dir,
+                                  load_model, read_checkpoint_config, save_checkpoint)
+from nemo_spec.checkpoint import megatron as ckpt_megatron
+from nemo_spec.config import ConfigError
+from nemo_spec.models import build_gpt, gpt_forward
+from tests.checkpoint_utils import perturb_, reshard_run, tensor_sd
+from tests.helpers import tiny_gpt2, tiny_llama
+
+TOL = 1e-6
+
+
+def _logits(model, x):
+    model.eval()
+    with torch.no_grad():
+        return gpt_forward(model, x).logits
+
+
+def _same_weights(a, b):
+    sa, sb = tensor_sd(a), tensor_sd(b)
+    return set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    """A saved tiny Llama checkpoint (TP=1) with a tokenizer dir, plus the model it came from."""
+    root = tmp_path_factory.mktemp("llama_ckpt")
+    tok = root / "tok_src"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tok / "tokenizer_config.json").write_text("{}")
+    torch.manual_seed(0)
+    model = perturb_(build_gpt(tiny_llama()), seed=3)
+    path = save_checkpoint(model, root / "ckpt", tokenizer_dir=tok, extra={"step": 12})
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def reshard():
+    return reshard_run()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# format and round trips
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_directory_is_megatron_torch_dist_plus_config(llama_ckpt):
+    path, model = llama_ckpt
+    names = {p.name for p in path.iterdir()}
+    assert {"common.pt", "metadata.json", ".metadata", "nemo_spec_config.json", "tokenizer"} <= names
+    assert any(n.endswith(".distcp") for n in names)
+    meta = json.loads((path / "metadata.json").read_text())
+    assert meta["sharded_backend"] == "torch_dist"
+    cfg = read_checkpoint_config(path)
+    assert cfg["format"] == "nemo_spec" and cfg["tp_size_saved"] == 1 and cfg["step"] == 12
+    assert cfg["model"] == model.nemo_spec_config.to_dict() and "speculative" not in cfg
+    assert detect_format(path) == "nemo_spec"
+    assert find_tokenizer_dir(path) == path / "tokenizer"
+    assert (path / "tokenizer" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert not any(p.name.endswith(ckpt_megatron.TEMP_SUFFIX) for p in path.parent.iterdir())
+
+
+def test_roundtrip_llama(llama_ckpt):
+    path, model = llama_ckpt
+    loaded = load_model(path)
+    assert _same_weights(model, loaded)
+    x = torch.randint(0, 96, (2, 7))
+    assert (_logits(model, x) - _logits(loaded, x)).abs().max().item() == 0.0
+
+
+def test_roundtrip_gpt2_tied_learned_positions(tmp_path):
+    torch.manual_seed(1)
+    model = perturb_(build_gpt(tiny_gpt2()), seed=4)
+    path = save_checkpoint(model, tmp_path / "gpt2")
+    loaded = load_model(str(path))
+    assert loaded.share_embeddings_and_output_weights and _same_weights(model, loaded)
+    x = torch.randint(0, 96, (1, 11))
+    assert (_logits(model, x) - _logits(loaded, x)).abs().max().item() == 0.0
+    assert find_tokenizer_dir(path) is None
+
+
+def test_load_in_bfloat16(llama_ckpt):
+    path, model = llama_ckpt
+    loaded = load_model(path, dtype=torch.bfloat16)
+    got = tensor_sd(loaded)
+    assert got["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.bfloat16
+    ref = tensor_sd(model)
+    for k, v in got.items():  # (megatron's torch norms stay float32)
+        assert torch.equal(v, ref[k].to(v.dtype)), k
+
+
+def test_speculative_model_roundtrip(tmp_path):
+    spec_mod = pytest.importorskip("nemo_spec.speculative")
+    torch.manual_seed(2)
+    base = perturb_(build_gpt(tiny_llama(num_layers=4)), seed=5)
+    model = spec_mod.SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, draft_vocab_size=48)(base)
+    perturb_(model.draft, seed=6)
+    path = save_checkpoint(model, tmp_path / "spec")
+    cfg = read_checkpoint_config(path)
+    assert cfg["speculative"]["algorithm"] == "eagle3" and cfg["speculative"]["draft_vocab_size"] == 48
+    loaded = load_model(path)
+    assert type(loaded).__name__ == type(model).__name__ and loaded.spec_config == model.spec_config
+    a, b = model.state_dict(), loaded.state_dict()
+    keys = [k for k, v in a.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
+    assert any("eagle" in k or "draft" in k for k in keys)
+    for k in keys:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resharding (torchrun, 2 processes on gloo)
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_tp1_checkpoint_loads_at_tp2(reshard):
+    r = reshard["results"]["tp1_dist@tp2"]
+    assert r["tp"] == 2 and r["sd_equal"] and r["err"] < TOL, r
+
+
+def test_tp2_checkpoint_loads_at_tp2(reshard):
+    r = reshard["results"]["tp2_dist@tp2"]
+    assert r["tp"] == 2 and r["sd_equal"] and r["err"] < TOL, r
+
+
+def test_tp2_checkpoint_loads_at_tp1(reshard):
+    path = reshard["work"] / "tp2_dist"
+    assert read_checkpoint_config(path)["tp_size_saved"] == 2
+    model = load_model(path)
+    sd = tensor_sd(model)
+    ref = reshard["state_dict"]
+    assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    err = (_logits(model, reshard["input_ids"]) - reshard["logits"]).abs().max().item()
+    assert err < TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# atomic writes
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_writer_failure_leaves_nothing(tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def boom(*a, **k):
+        raise OSError("disk full (injected)")
+
+    # the forked writer processes inherit the patch; megatron reports their errors back to the saving rank
+    monkeypatch.setattr(filesystem_async, "_write_item", boom)
+    model = build_gpt(tiny_llama())
+    target = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match="saving .*ckpt failed") as e:
+        save_checkpoint(model, target)
+    assert "injected" in str(getattr(e.value.__cause__, "failures", e.value.__cause__))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(target)
+
+
+def test_failure_after_tensors_leaves_nothing(tmp_path, monkeypatch):
+    def boom(tmp, cfg):
+        raise RuntimeError("config write failed (injected)")
+
+    monkeypatch.setattr(ckpt_megatron, "_write_config", boom)
+    with pytest.raises(CheckpointError, match="saving .*ckpt failed.*injected"):
+        save_checkpoint(build_gpt(tiny_llama()), tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_before_rename_is_never_a_checkpoint(tmp_path, monkeypatch):
+    """The on-disk state of a save killed after its last write but before the rename."""
+    monkeypatch.setattr(ckpt_megatron, "_commit", lambda tmp, target, overwrite: None)
+    target = tmp_path / "ckpt"
+    save_checkpoint(build_gpt(tiny_llama()), target)
+    monkeypatch.undo()
+    partial = tmp_path / ("ckpt" + ckpt_megatron.TEMP_SUFFIX)
+    assert partial.is_dir() and (partial / "nemo_spec_config.json").is_file() and not target.exists()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(target)
+    with pytest.raises(CheckpointError, match="unfinished"):
+        load_model(partial)
+    # a later save removes the stale temp dir and produces a valid checkpoint
+    (partial / "junk.bin").write_bytes(b"x")
+    torch.manual_seed(9)
+    model = build_gpt(tiny_llama())
+    save_checkpoint(model, target)
+    assert not partial.exists() and not (target / "junk.bin").exists()
+    assert _same_weights(model, load_model(target))
+
+
+def test_incomplete_torch_dist_dir_is_rejected(llama_ckpt, tmp_path):
+    path, _ = llama_ckpt
+    no_meta = tmp_path / "no_meta"
+    shutil.copytree(path, no_meta)
+    (no_meta / "metadata.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete.*metadata.json"):
+        load_model(no_meta)
+    no_cfg = tmp_path / "no_cfg"
+    shutil.copytree(path, no_cfg)
+    (no_cfg / "nemo_spec_config.json").unlink()
+    with pytest.raises(CheckpointError, match="without a model config"):
+        load_model(no_cfg)
+
+
+def test_existing_target_replaced_only_with_overwrite(tmp_path):
+    torch.manual_seed(10)
+    first = build_gpt(tiny_llama())
+    target = save_checkpoint(first, tmp_path / "ckpt")
+    torch.manual_seed(11)
+    second = build_gpt(tiny_llama())
+    with pytest.raises(CheckpointError, match="already exists.*overwrite=True"):
+        save_checkpoint(second, target)
+    assert _same_weights(first, load_model(target))
+    save_checkpoint(second, target, overwrite=True)
+    assert _same_weights(second, load_model(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors, raised before loading weights
+# ----------------------------------------------------------------------------------------------------------------
+
+def _edited_copy(src, dst, **model_fields):
+    shutil.copytree(src, dst)
+    f = dst / "nemo_spec_config.json"
+    cfg = json.loads(f.read_text())
+    cfg["model"].update(model_fields)
+    f.write_text(json.dumps(cfg))
+    return dst
+
+
+def test_missing_and_unrecognised_dirs(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_model(tmp_path / "file.txt")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(CheckpointError, match="unrecognised.*nemo_spec_config.json.*latest_checkpointed_iteration"
+                                              ".*config.json.*weights.bin"):
+        load_model(odd)
+    (odd / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="config.json has no 'architectures'"):
+        load_model(odd)
+
+
+def test_shape_mismatch_names_tensor_and_shapes(llama_ckpt, tmp_path):
+    path, _ = llama_ckpt
+    bad = _edited_copy(path, tmp_path / "bad", ffn_hidden_size=64)
+    with pytest.raises(CheckpointError, match=r"linear_fc\d\.weight.*\(2, 256, 64\)|linear_fc\d\.weight.*\(2, 64, 128\)"):
+        load_model(bad)
+
+
+def test_unsupported_architecture_in_config(llama_ckpt, tmp_path):
+    path, _ = llama_ckpt
+    bad = _edited_copy(path, tmp_path / "bad", activation="relu6")
+    with pytest.raises(CheckpointConfigError, match="nemo_spec_config.json.*activation"):
+        load_model(bad)
+    bad2 = _edited_copy(path, tmp_path / "bad2", num_experts=8)
+    with pytest.raises(CheckpointConfigError, match="nemo_spec_config.json.*unknown ModelConfig field.*num_experts"):
+        load_model(bad2)
+
+
+def test_tp_that_does_not_divide_is_rejected_before_loading(llama_ckpt, tmp_path):
+    path, _ = llama_ckpt
+    with pytest.raises(CheckpointConfigError, match="nemo_spec_config.json.*num_query_groups=2") as e:
+        load_model(path, tp_size=4)
+    assert isinstance(e.value, ConfigError)
+    odd_vocab = _edited_copy(path, tmp_path / "vocab", vocab_size=97)
+    with pytest.raises(ConfigError, match="nemo_spec_config.json.*vocab_size=97"):
+        load_model(odd_vocab, tp_size=2)
