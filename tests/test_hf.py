@@ -280,6 +280,11 @@ def test_exported_config_reads_back_identically():
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_missing_directory_config_and_weights(tmp_path):
+    import nemo_spec.checkpoint as ck
+
+    assert issubclass(HFCheckpointError, ValueError)
+    if hasattr(ck, "CheckpointError"):
+        assert issubclass(HFCheckpointError, ck.CheckpointError)
     with pytest.raises(HFCheckpointError, match="not a directory"):
         load_hf(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
