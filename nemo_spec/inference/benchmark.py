@@ -1,0 +1,250 @@
+"""Side-by-side generation benchmark: our AR and every available speculative method vs transformers generate.
+
+For one base (+ draft) and one prompt set, measures tokens/s, tau and greedy agreement at each batch size
+for: our ``ar``, ``prompt_lookup``, ``draft_model`` (with a draft GPT), ``eagle``/``eagle_tree`` (EAGLE
+model) or ``medusa`` (Medusa model); and the same weights exported to Hugging Face format run through
+transformers ``generate`` — plain, ``prompt_lookup_num_tokens`` and ``assistant_model`` (transformers'
+assisted decoding is batch-1 only). Writes JSON, a markdown table and a PNG plot.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from nemo_spec.inference.generate import generate
+from nemo_spec.inference.sampling import SamplingError, SamplingParams
+from nemo_spec.models import model_config, unwrap
+
+log = logging.getLogger(__name__)
+
+
+def available_methods(model: torch.nn.Module, draft_model: Optional[torch.nn.Module] = None) -> List[str]:
+    """Methods that can run for this model (+ optional draft GPT)."""
+    methods = ["ar", "prompt_lookup"]
+    if draft_model is not None:
+        methods.append("draft_model")
+    alg = getattr(getattr(model, "spec_config", None), "algorithm", None)
+    if alg in ("eagle1", "eagle3"):
+        methods += ["eagle", "eagle_tree"]
+    elif alg == "medusa":
+        methods.append("medusa")
+    return methods
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _chunks(items: Sequence[Any], n: int) -> List[Sequence[Any]]:
+    return [items[i: i + n] for i in range(0, len(items), n)]
+
+
+def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batch_size: int, max_new_tokens: int,
+             draft_model: Optional[torch.nn.Module] = None, options: Optional[Dict[str, Any]] = None,
+             warmup: bool = True) -> Dict[str, Any]:
+    """Greedy generation of all prompts in batches with our engine; returns tokens, tokens/s, tau, forwards."""
+    opts = {**(options or {}), "ignore_eos": True}
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    dev = next(unwrap(model).parameters()).device
+    if warmup:
+        generate(model, list(prompts[:batch_size]), SamplingParams(max_new_tokens=min(8, max_new_tokens)),
+                 method=method, draft_model=draft_model, options=opts)
+    tokens: List[List[int]] = []
+    taus: List[float] = []
+    tf = df = 0
+    _sync(dev)
+    t0 = time.perf_counter()
+    for chunk in _chunks(prompts, batch_size):
+        for r in generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts):
+            tokens.append(r.tokens)
+            taus.append(r.stats["tau"])
+            tf += r.stats["target_forwards"]
+            df += r.stats["draft_forwards"]
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    n = sum(len(t) for t in tokens)
+    return {"engine": "nemo_spec", "method": method, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
+            "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
+            "tokens": tokens}
+
+
+def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
+           assistant: Any = None, prompt_lookup_tokens: int = 10, warmup: bool = True) -> Dict[str, Any]:
+    """Greedy transformers generate (mode: plain | prompt_lookup | assistant_model) over all prompts."""
+    dev = hf_model.device
+
+    def call(chunk: Sequence[List[int]], n_new: int) -> List[List[int]]:
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            att[i, width - len(p):] = 1
+        kw: Dict[str, Any] = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=pad_id)
+        if mode == "prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+        elif mode == "assistant_model":
+            kw["assistant_model"] = assistant
+        with torch.no_grad():
+            out = hf_model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), **kw)
+        return [row[width:].tolist() for row in out]
+
+    if warmup:
+        call(prompts[:batch_size], min(8, max_new_tokens))
+    tokens: List[List[int]] = []
+    _sync(dev)
+    t0 = time.perf_counter()
+    for chunk in _chunks(prompts, batch_size):
+        tokens += call(chunk, max_new_tokens)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    n = sum(len(t) for t in tokens)
+    return {"engine": "transformers", "method": mode, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
+            "tokens_per_s": n / dt, "tau": None, "target_forwards": None, "draft_forwards": None, "tokens": tokens}
+
+
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype).to(device).eval()
+    m.generation_config.eos_token_id = None  # same token budget as our ignore_eos runs
+    return m
+
+
+def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Optional[torch.nn.Module] = None,
+              batch_sizes: Sequence[int] = (1, 8), max_new_tokens: int = 64, methods: Optional[Sequence[str]] = None,
+              options: Optional[Dict[str, Any]] = None, hf: bool = True, work_dir: Optional[Path] = None,
+              warmup: bool = True) -> Dict[str, Any]:
+    """Run every configuration side by side; returns {"rows": [...], "summary": {...}, "config": {...}}."""
+    if not prompts:
+        raise SamplingError("benchmark needs at least one prompt")
+    if any(b < 1 for b in batch_sizes):
+        raise SamplingError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    avail = available_methods(model, draft_model)
+    methods = list(methods) if methods else avail
+    missing = [m for m in methods if m not in avail]
+    if missing:
+        raise SamplingError(f"methods {missing} are not available for this model (available: {avail})")
+    if "ar" not in methods:
+        methods = ["ar"] + methods
+    cfg = model_config(model)
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    rows: List[Dict[str, Any]] = []
+    for b in batch_sizes:
+        for m in methods:
+            log.info("benchmark: nemo_spec %s batch %d", m, b)
+            rows.append(run_ours(model, prompts, m, b, max_new_tokens, draft_model, options, warmup))
+    if hf:
+        dev = next(unwrap(model).parameters()).device
+        dtype = next(unwrap(model).parameters()).dtype
+        from nemo_spec.checkpoint.hf import export_hf
+
+        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+            base_dir = export_hf(unwrap(model), Path(tmp) / "base", dtype=dtype)
+            hf_model = _load_hf(base_dir, dev, dtype)
+            assistant = None
+            if draft_model is not None:
+                assistant = _load_hf(export_hf(unwrap(draft_model), Path(tmp) / "draft", dtype=dtype), dev, dtype)
+            for b in batch_sizes:
+                log.info("benchmark: transformers plain batch %d", b)
+                rows.append(run_hf(hf_model, prompts, "plain", b, max_new_tokens, pad_id, warmup=warmup))
+            k = int((options or {}).get("num_draft_tokens", 10))
+            rows.append(run_hf(hf_model, prompts, "prompt_lookup", 1, max_new_tokens, pad_id,
+                               prompt_lookup_tokens=k, warmup=warmup))
+            if assistant is not None:
+                rows.append(run_hf(hf_model, prompts, "assistant_model", 1, max_new_tokens, pad_id, assistant,
+                                   warmup=warmup))
+    return summarize(rows, {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+                            "batch_sizes": list(batch_sizes), "methods": methods, "options": options or {},
+                            "device": str(next(unwrap(model).parameters()).device),
+                            "dtype": str(next(unwrap(model).parameters()).dtype)})
+
+
+def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, Any]:
+    """Add speedups vs our AR at the same batch size and agreement with our batch-1 AR tokens."""
+    ar = {r["batch_size"]: r for r in rows if r["engine"] == "nemo_spec" and r["method"] == "ar"}
+    ref = ar[min(ar)]["tokens"] if ar else None
+    for r in rows:
+        base = ar.get(r["batch_size"]) or (ar[min(ar)] if ar else None)
+        r["speedup_vs_ar"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        if ref is not None:
+            r["matches_ar"] = sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref)
+    summary: Dict[str, Any] = {}
+    for b, r in ar.items():
+        hf_plain = next((x for x in rows if x["engine"] == "transformers" and x["method"] == "plain"
+                         and x["batch_size"] == b), None)
+        if hf_plain:
+            summary[f"ar_vs_transformers_b{b}"] = r["tokens_per_s"] / hf_plain["tokens_per_s"]
+        spec = [x for x in rows if x["engine"] == "nemo_spec" and x["method"] != "ar" and x["batch_size"] == b]
+        if spec:
+            best = max(spec, key=lambda x: x["tokens_per_s"])
+            summary[f"best_speculative_b{b}"] = {"method": best["method"], "speedup_vs_ar": best["speedup_vs_ar"]}
+    return {"config": config, "rows": rows, "summary": summary}
+
+
+def to_markdown(result: Dict[str, Any]) -> str:
+    """Markdown table of the benchmark rows plus the summary ratios."""
+    lines = ["| engine | method | batch | tokens/s | tau | speedup vs our AR | matches our AR |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+        sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") is not None else "-"
+        ma = f"{100 * r['matches_ar']:.0f}%" if r.get("matches_ar") is not None else "-"
+        lines.append(f"| {r['engine']} | {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {tau} | {sp} "
+                     f"| {ma} |")
+    lines.append("")
+    for k, v in result["summary"].items():
+        if isinstance(v, dict):
+            lines.append(f"- {k}: {v['method']} at {v['speedup_vs_ar']:.2f}x our AR")
+        else:
+            lines.append(f"- {k}: {v:.2f}x")
+    c = result["config"]
+    lines.append(f"- {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens each, greedy, {c['device']} "
+                 f"{c['dtype']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: Dict[str, Any], path: Path) -> Path:
+    """Bar chart of tokens/s per configuration, grouped by batch size (PNG, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{'ours' if r['engine'] == 'nemo_spec' else 'HF'}:{r['method']}\nb={r['batch_size']}" for r in rows]
+    colors = ["tab:blue" if r["engine"] == "nemo_spec" else "tab:orange" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("tokens / s")
+    ax.set_title("generation throughput (blue: nemo_spec, orange: transformers)")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def write_outputs(result: Dict[str, Any], out_dir: Path) -> Dict[str, Path]:
+    """Write benchmark.json, benchmark.md and benchmark.png into out_dir (atomically)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, text in [("benchmark.json", json.dumps(result, indent=2)), ("benchmark.md", to_markdown(result))]:
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+        paths[name] = out_dir / name
+    paths["benchmark.png"] = plot(result, out_dir / "benchmark.png")
+    return paths
