@@ -218,7 +218,7 @@ def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Ten
                      dtype: torch.dtype) -> None:
     out.mkdir()
     tensors = cast_tensors(tensors, dtype)
-    conf = dict(conf, torch_dtype=hf_dtype_name(dtype))
+    conf = dict(conf, torch_dtype=hf_dtype_name(dtype), dtype=hf_dtype_name(dtype))  # transformers 4 / 5 names
     try:
         import transformers
 

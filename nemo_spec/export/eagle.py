@@ -76,7 +76,7 @@ def _llama_fields(cfg: ModelConfig, num_layers: int) -> Dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_scaling": _rope_scaling(cfg),
         "attention_bias": bool(cfg.add_qkv_bias),
         "mlp_bias": False,
         "vocab_size": cfg.vocab_size,
@@ -89,6 +89,22 @@ def _llama_fields(cfg: ModelConfig, num_layers: int) -> Dict[str, Any]:
         if getattr(cfg, k) is not None:
             d[k] = getattr(cfg, k)
     return d
+
+
+def _rope_scaling(cfg: ModelConfig) -> Dict[str, Any] | None:
+    """HF rope_scaling with both ``rope_type`` (transformers/vLLM) and legacy ``type`` (the EAGLE reference code)."""
+    if not cfg.rope_scaling:
+        return None
+    d = dict(cfg.rope_scaling)
+    kind = d.get("rope_type", d.get("type"))
+    d["rope_type"] = d["type"] = kind
+    return d
+
+
+def _warn_reference_head_dim(cfg: ModelConfig) -> None:
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        log.warning("head_dim=%d != hidden_size/num_attention_heads: vLLM and SGLang read head_dim from the config, "
+                    "the EAGLE reference code assumes hidden_size/num_attention_heads", cfg.head_dim)
 
 
 def _need(sd: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -106,6 +122,7 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
                         spec: SpeculativeConfig) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Neutral EAGLE-3 draft tensors -> (reference tensors, config.json dict)."""
     check_llama_family(cfg, "eagle3")
+    _warn_reference_head_dim(cfg)
     nh, ng, hd = _heads(cfg)
     n_layers = spec.num_eagle_layers
     out: Dict[str, torch.Tensor] = {"fc.weight": _need(neutral, "fc.weight")}
@@ -180,6 +197,7 @@ def eagle1_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, s
                         embedding: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Neutral EAGLE-1 draft tensors (+ the base's embedding table) -> (reference tensors, config.json dict)."""
     check_llama_family(cfg, "eagle1")
+    _warn_reference_head_dim(cfg)
     nh, ng, hd = _heads(cfg)
     n_layers = spec.num_eagle_layers
     if "layers.0.input_layernorm.weight" in neutral:
