@@ -219,7 +219,8 @@ class EagleDraft(MegatronModule):
                 for i, layer in enumerate(self.layers):
                     out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
             else:
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=_tp_group()))
         if self.algorithm == "eagle3":
             out.update(_replicated_buffer(self.d2t, f"{prefix}d2t", metadata))
         return out
@@ -249,3 +250,10 @@ def _gather_rows(w: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(w) for _ in range(parallel.tp_size())]
     dist.all_gather(parts, w.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, 0)
+
+
+def _tp_group():
+    """The tensor-parallel process group (replica ids of replicated draft tensors are taken over it)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()

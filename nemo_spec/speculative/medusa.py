@@ -25,6 +25,7 @@ from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models.gpt import gather_vocab
 from nemo_spec.models.spec import transformer_config
+from nemo_spec.speculative.eagle import _base_output_weight, _tp_group
 
 
 class ResBlock(torch.nn.Module):
@@ -65,7 +66,8 @@ class MedusaHead(MegatronModule):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         out = {}
         for j, block in enumerate(self.blocks):
-            out.update(sharded_state_dict_default(block, f"{prefix}blocks.{j}.", sharded_offsets, metadata))
+            out.update(sharded_state_dict_default(block, f"{prefix}blocks.{j}.", sharded_offsets, metadata,
+                                                  tp_group=_tp_group()))
         out.update(self.output_layer.sharded_state_dict(f"{prefix}output_layer.", sharded_offsets, metadata))
         return out
 
@@ -77,7 +79,6 @@ class MedusaHeads(MegatronModule):
         p = next(base.parameters())
         tcfg = transformer_config(model_config, parallel.tp_size(), p.dtype, num_layers=1)
         super().__init__(config=tcfg)
-        from nemo_spec.speculative.eagle import _base_output_weight
 
         w = _base_output_weight(base).detach()
         self.num_heads = spec_config.num_medusa_heads

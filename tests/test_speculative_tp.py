@@ -1,0 +1,126 @@
+"""Speculative drafts at TP=2 (torchrun, gloo), save -> load round trips, and scripts/gpt_speculate.py end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nemo_spec.checkpoint import load_model, read_checkpoint_config, save_checkpoint
+from nemo_spec.checkpoint.tp import is_tensor_entry
+from nemo_spec.models import build_gpt
+from nemo_spec.speculative import SpeculativeGPT
+from tests.helpers import ROOT, run_torchrun, tiny_llama
+from tests.speculative_utils import make_spec
+
+ALGS = ["eagle1", "eagle3", "medusa"]
+
+
+def _draft_logits(m, x):
+    with torch.no_grad():
+        out = m.base_forward(x)
+        if m.algorithm == "medusa":
+            return m.medusa_logits(out.hidden)
+        return m.draft_step(x, m.fuse(m.base_features(out)))[1]
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_save_load_identical_outputs(alg, tmp_path):
+    m = make_spec(tiny_llama(num_layers=4), alg)
+    if alg == "eagle3":
+        m.set_draft_vocab(torch.arange(96, dtype=torch.float) % 7, reinit_head=False)
+    x = torch.randint(0, 96, (2, 9))
+    path = save_checkpoint(m, tmp_path / "ck")
+    cfg = read_checkpoint_config(path)
+    assert cfg["speculative"] == m.spec_config.to_dict()
+    loaded = load_model(path)
+    assert isinstance(loaded, SpeculativeGPT) and loaded.spec_config == m.spec_config
+    assert torch.equal(_draft_logits(loaded, x), _draft_logits(m, x))
+    assert torch.equal(loaded.d2t, m.d2t) and torch.equal(loaded.draft_vocab_mask(), m.draft_vocab_mask())
+    with torch.no_grad():
+        a, b = loaded.training_losses(x)["loss"], m.training_losses(x)["loss"]
+    assert torch.equal(a, b)
+
+
+def test_tp2_matches_tp1_and_tp2_checkpoint_loads_at_tp1(tmp_path):
+    x = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(x)
+    mask[:, :2] = 0
+    cases, models = {}, {}
+    for alg in ALGS:
+        m = make_spec(tiny_llama(num_layers=4), alg)
+        if alg == "eagle3":
+            m.set_draft_vocab(torch.arange(96, dtype=torch.float).flip(0) % 11, reinit_head=False)
+        res = m.training_losses(x, mask, return_logits=True)
+        res["loss"].backward()
+        cases[alg] = {
+            "config": m.model_config.to_dict(), "spec": m.spec_config.to_dict(),
+            "state_dict": {k: v for k, v in m.state_dict().items() if is_tensor_entry(k, v)},
+            "step_logits": [t.detach() for t in res["step_logits"]], "loss": float(res["loss"].detach()),
+            "grads": {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+            "num_draft_params": m.num_draft_parameters(), "draft_logits": _draft_logits(m, x),
+        }
+        models[alg] = m
+    blob = tmp_path / "blob.pt"
+    torch.save({"cases": cases, "input_ids": x, "loss_mask": mask}, blob)
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "spec_tp2.py", [blob, tmp_path / "tp2"], timeout=300)
+    for alg in ALGS:
+        assert f"SPEC_TP2_OK {alg}" in out
+        path = tmp_path / "tp2" / alg
+        assert read_checkpoint_config(path)["tp_size_saved"] == 2
+        loaded = load_model(path, tp_size=1)
+        assert (_draft_logits(loaded, x) - cases[alg]["draft_logits"]).abs().max() < 1e-5
+        sd = loaded.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in cases[alg]["state_dict"].items())
+
+
+def _run_script(args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpt_speculate.py"), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=240, env={**__import__("os").environ,
+                                                                           "OMP_NUM_THREADS": "1",
+                                                                           "PYTHONPATH": str(ROOT)})
+
+
+def test_gpt_speculate_script_end_to_end(tmp_path):
+    torch.manual_seed(0)
+    base = build_gpt(tiny_llama(num_layers=4))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    (tok / "tokenizer.json").write_text("{}")
+    src = save_checkpoint(base, tmp_path / "base", tokenizer_dir=tok)
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps([float((i * 37) % 96) for i in range(96)]))
+    # errors come before any loading and name the problem
+    bad = _run_script(["--model_path", src, "--export_dir", tmp_path / "x", "--num_eagle_layers", "1",
+                       "--num_medusa_heads", "2"])
+    assert bad.returncode == 2 and "both EAGLE" in bad.stderr
+    bad = _run_script(["--model_path", src, "--export_dir", tmp_path / "x", "--algorithm", "eagle3",
+                       "--draft_vocab_size", "500"])
+    assert bad.returncode == 2 and "draft_vocab_size=500" in bad.stderr and not (tmp_path / "x").exists()
+    # single process, EAGLE-3 with a frequency-based draft vocabulary
+    ok = _run_script(["--model_path", src, "--export_dir", tmp_path / "e3", "--algorithm", "eagle3",
+                      "--num_eagle_layers", "1", "--draft_vocab_size", "32", "--token_counts", counts])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    m = load_model(tmp_path / "e3")
+    assert isinstance(m, SpeculativeGPT) and m.spec_config.draft_vocab_size == 32
+    expect_ids = torch.tensor(sorted(range(96), key=lambda i: (-((i * 37) % 96), i))[:32]).sort().values
+    assert torch.equal(m.draft_vocab_ids(), expect_ids)
+    assert all(torch.equal(m.gpt.state_dict()[k], v) for k, v in base.state_dict().items() if is_tensor_entry(k, v))
+    assert (tmp_path / "e3" / "tokenizer" / "tokenizer.json").is_file()
+    cfg = read_checkpoint_config(tmp_path / "e3")
+    assert cfg["speculative"]["algorithm"] == "eagle3" and cfg["speculate_source"] == str(src)
+    # existing export dir without --overwrite
+    again = _run_script(["--model_path", src, "--export_dir", tmp_path / "e3", "--algorithm", "eagle1"])
+    assert again.returncode == 2 and "already exists" in again.stderr
+    # torchrun TP=2, NeMo spelling -> Medusa
+    run_torchrun(ROOT / "scripts" / "gpt_speculate.py",
+                 ["--model_path", src, "--export_dir", tmp_path / "med", "--num_eagle_layers", "0",
+                  "--num_medusa_heads", "2", "--tp_size", "2"], timeout=240)
+    med = load_model(tmp_path / "med", tp_size=1)
+    assert med.algorithm == "medusa" and len(med.medusa_heads.heads) == 2
+    assert read_checkpoint_config(tmp_path / "med")["tp_size_saved"] == 2
+    x = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():  # fresh Medusa heads reproduce the base head exactly, after a TP=2 save
+        out = med.base_forward(x)
+        assert torch.allclose(med.medusa_logits(out.hidden)[1], out.logits, atol=1e-5)
