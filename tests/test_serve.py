@@ -264,7 +264,9 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, tok):
     check(post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404,
           "model")
     long_prompt = " ".join(["the cat sat on a mat"] * 100)
-    check(post("/v1/completions", json={"model": "tiny", "prompt": long_prompt}), 400)
+    check(post("/v1/completions", json={"model": "tiny", "prompt": long_prompt}), 400, "prompt")
+    check(post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": long_prompt}]}),
+          400, "messages")
     check(post("/v1/completions", json={"model": "tiny", "prompt": "the cat", "max_tokens": 10**5}), 400, "max_tokens")
     check(httpx.get(url + "/v1/nothing-here"), 404)
     # the official client maps them to its exception types

@@ -85,14 +85,14 @@ def _encode(served: ServedModel, text: str, add_special_tokens: bool) -> List[in
 
 
 def _resolve_max_tokens(served: ServedModel, prompts: List[List[int]], requested: Optional[int],
-                        default: int) -> int:
+                        default: int, prompt_param: str) -> int:
     longest = max(len(p) for p in prompts)
     ctx = served.max_context
     if longest == 0:
-        raise P.invalid("the prompt is empty", "prompt")
+        raise P.invalid("the prompt is empty", prompt_param)
     if longest >= ctx:
         raise P.invalid(f"This model's maximum context length is {ctx} tokens. However, your prompt has "
-                        f"{longest} tokens. Please reduce the length of the prompt.", "messages",
+                        f"{longest} tokens. Please reduce the length of the prompt.", prompt_param,
                         "context_length_exceeded")
     if requested is None:
         return max(1, min(default, ctx - longest))
@@ -288,7 +288,8 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         except ChatTemplateError as e:
             raise P.invalid(str(e), "messages") from e
         prompt = _encode(served, text, add_special_tokens=False)
-        max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(), served.spec.default_max_tokens)
+        max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(), served.spec.default_max_tokens,
+                                        "messages")
         job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
         rid, created = P.new_id("chatcmpl"), P.now()
         if req.stream:
@@ -335,7 +336,8 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         req.check_supported()
         served = manager.get(req.model)
         prompts, texts = _completion_prompts(served, req.prompt)
-        max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                        "prompt")
         job = submit(served, req, prompts, max_tokens, asyncio.get_running_loop())
         rid, created = P.new_id("cmpl"), P.now()
         echo = [texts[i // req.n] if req.echo else "" for i in range(job.num_choices)]

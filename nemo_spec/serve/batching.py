@@ -74,6 +74,12 @@ class IncrementalDecoder:
         if self.stopped:
             return ""
         before_text = len(self.text)
+        if not self.stop:  # no stop strings: one incremental decode for the whole chunk
+            self.tokens.extend(int(t) for t in ids)
+            self._advance()
+            delta = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return delta
         for t in ids:  # one token at a time so a stop string is caught at the token that completes it
             self.tokens.append(int(t))
             self._advance()

@@ -1,0 +1,114 @@
+"""Serving throughput: completion tokens/s at several numbers of concurrent streaming clients vs sequential requests."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "for i in range(10):",
+    "with open(path) as f:", "def main():\n    args =", "if __name__ == '__main__':", "try:\n    import json",
+)
+
+
+@dataclass
+class LevelResult:
+    """Throughput at one concurrency level."""
+
+    concurrency: int
+    requests: int
+    completion_tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    mean_ttft_s: float
+    mean_latency_s: float
+    speedup_vs_sequential: float = 1.0
+
+
+async def _one(client: Any, model: str, prompt: str, max_tokens: int, chat: bool) -> tuple[int, float, float]:
+    t0 = time.perf_counter()
+    ttft: Optional[float] = None
+    tokens = 0
+    common = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if chat:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+    else:
+        stream = await client.completions.create(prompt=prompt, **common)
+    async for chunk in stream:
+        if chunk.choices and ttft is None:
+            piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
+            if piece:
+                ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0
+
+
+async def _level(base_url: str, api_key: str, model: str, prompts: Sequence[str], concurrency: int, requests: int,
+                 max_tokens: int, chat: bool) -> LevelResult:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(prompts[i % len(prompts)])
+    out: List[tuple[int, float, float]] = []
+
+    async def worker() -> None:
+        while True:
+            try:
+                p = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            out.append(await _one(client, model, p, max_tokens, chat))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    tokens = sum(o[0] for o in out)
+    return LevelResult(concurrency, requests, tokens, elapsed, tokens / elapsed if elapsed > 0 else 0.0,
+                       sum(o[1] for o in out) / len(out), sum(o[2] for o in out) / len(out))
+
+
+def run_benchmark(base_url: str, model: str, levels: Sequence[int] = (1, 4, 8, 16), requests: Optional[int] = None,
+                  max_tokens: int = 64, prompts: Sequence[str] = DEFAULT_PROMPTS, api_key: str = "EMPTY",
+                  chat: bool = False, warmup: bool = True) -> List[LevelResult]:
+    """Measure throughput at each concurrency level (each runs ``requests`` streams, default 2x the level, >= 8);
+    level 1 is the sequential baseline the speed-ups are relative to."""
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"levels must be positive integers, got {list(levels)}")
+    levels = sorted(set(levels) | {1})
+    if warmup:
+        asyncio.run(_level(base_url, api_key, model, prompts, 1, 1, min(max_tokens, 8), chat))
+    results = []
+    for c in levels:
+        n = requests or max(8, 2 * c)
+        r = asyncio.run(_level(base_url, api_key, model, prompts, c, n, max_tokens, chat))
+        log.info("concurrency %d: %d tokens in %.2fs = %.1f tok/s", c, r.completion_tokens, r.elapsed_s,
+                 r.tokens_per_s)
+        results.append(r)
+    base = results[0].tokens_per_s
+    for r in results:
+        r.speedup_vs_sequential = r.tokens_per_s / base if base > 0 else 0.0
+    return results
+
+
+def format_table(results: Sequence[LevelResult]) -> str:
+    """A plain-text table of the results."""
+    rows = ["concurrency  requests  tokens  seconds  tok/s    ttft_s  latency_s  x_sequential"]
+    for r in results:
+        rows.append(f"{r.concurrency:>11}  {r.requests:>8}  {r.completion_tokens:>6}  {r.elapsed_s:>7.2f}  "
+                    f"{r.tokens_per_s:>7.1f}  {r.mean_ttft_s:>6.3f}  {r.mean_latency_s:>9.3f}  "
+                    f"{r.speedup_vs_sequential:>12.2f}")
+    return "\n".join(rows)
+
+
+def results_dict(results: Sequence[LevelResult]) -> List[Dict[str, Any]]:
+    """JSON-ready results."""
+    return [asdict(r) for r in results]

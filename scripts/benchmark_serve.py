@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Serving throughput at 1/4/8/16 concurrent streams vs sequential requests.
+
+Against a running server:      python scripts/benchmark_serve.py --base-url http://127.0.0.1:8000/v1 --model default
+Serving a checkpoint in-process: python scripts/benchmark_serve.py --checkpoint /ckpt/model --max-batch 16 [--method eagle]
+"""
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    """Run the benchmark, print the table and the speed-up at 8 streams; optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=None)
+    p.add_argument("--model", default="default")
+    p.add_argument("--api-key", default="EMPTY")
+    p.add_argument("--checkpoint", default=None, help="serve this checkpoint in-process on 127.0.0.1 instead")
+    p.add_argument("--method", default="ar")
+    p.add_argument("--options", type=json.loads, default={}, help="generate() options as JSON")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default 2x level, >= 8)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="use chat.completions instead of completions")
+    p.add_argument("--json", default=None, help="write results here")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nemo_spec.serve.benchmark import format_table, results_dict, run_benchmark
+
+    server = None
+    if a.checkpoint:
+        from nemo_spec import parallel
+        from nemo_spec.serve import ModelSpec, ServeConfig
+        from nemo_spec.serve.server import ServerThread
+
+        parallel.initialize(1)
+        spec = ModelSpec(name=a.model, path=a.checkpoint, method=a.method, options=a.options, max_batch=a.max_batch)
+        server = ServerThread(ServeConfig(models=[spec], max_queue=max(64, 2 * max(a.levels)))).start()
+        a.base_url = server.url + "/v1"
+    elif not a.base_url:
+        p.error("give --base-url or --checkpoint")
+    try:
+        res = run_benchmark(a.base_url, a.model, a.levels, a.requests, a.max_tokens, api_key=a.api_key, chat=a.chat)
+    finally:
+        if server is not None:
+            server.stop()
+    print(format_table(res))
+    at8 = [r for r in res if r.concurrency == 8]
+    if at8:
+        print(f"throughput at 8 concurrent streams = {at8[0].speedup_vs_sequential:.2f}x sequential")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results_dict(res), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

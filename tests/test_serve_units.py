@@ -1,0 +1,221 @@
+"""Unit tests of the server's parts: incremental detokenization + stop strings, sandboxed chat templates,
+Prometheus text, the typed config and its Hydra YAML, request validation, and the throughput benchmark."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from nemo_spec.config import ConfigError
+from nemo_spec.serve.batching import IncrementalDecoder
+from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
+from nemo_spec.serve.config import ModelSpec, ServeConfig
+from nemo_spec.serve.metrics import ServerMetrics
+from nemo_spec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tests.helpers import ROOT
+from tests.serve_utils import live_server, tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory):
+    """A byte-level BPE: non-ASCII characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["plain ascii words only here"] * 20,
+                          trainers.BpeTrainer(vocab_size=280, special_tokens=["</s>"],
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>")
+
+
+# ------------------------------------------------------------------------------------------------ detokenizer
+
+def _feed(tok, ids, chunk, stop=()):
+    dec = IncrementalDecoder(tok, stop)
+    pieces = []
+    for i in range(0, len(ids), chunk):
+        pieces.append(dec.add(ids[i:i + chunk]))
+        if dec.stopped:
+            break
+    pieces.append(dec.flush())
+    return pieces, dec
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_incremental_decoder_reassembles_text(tok, chunk):
+    text = "the cat sat on a mat , we read code and ship fast ."
+    ids = tok(text, add_special_tokens=False).input_ids
+    pieces, _ = _feed(tok, ids, chunk)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_incremental_decoder_never_emits_partial_characters(byte_tok):
+    text = "plain café ünïcode 漢字 and 🙂 emoji"
+    ids = byte_tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text.split())  # multi-byte characters really span tokens
+    pieces, _ = _feed(byte_tok, ids, 1)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_incremental_decoder_stop_strings(tok, chunk):
+    text = "the cat sat on a mat , we read code"
+    ids = tok(text, add_special_tokens=False).input_ids
+    pieces, dec = _feed(tok, ids, chunk, stop=["mat ,", "zzz"])
+    assert "".join(pieces) == "the cat sat on a "
+    assert dec.stopped
+    # tokens kept = exactly those needed for the stop string to appear
+    n = len(dec.tokens)
+    assert "mat ," in tok.decode(ids[:n]) and "mat ," not in tok.decode(ids[:n - 1])
+    # text that only looks like the start of a stop string is held back, then released at the end
+    dec = IncrementalDecoder(tok, ["mat and"])
+    out = dec.add(tok("the cat sat on a mat", add_special_tokens=False).input_ids)
+    assert out == "the cat sat on a " and dec.flush() == "mat"
+
+
+# ------------------------------------------------------------------------------------------------ templates
+
+def test_chat_template_sources(tok, tmp_path):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    own = ChatTemplate.for_tokenizer(tok)
+    assert own.origin == "tokenizer"
+    assert own.render(msgs, True) == "<system>be brief</s><user>hi</s><assistant>"
+    assert own.render(msgs, False) == "<system>be brief</s><user>hi</s>"
+    assert own.stop_strings == []
+
+    class NoTemplate:  # a tokenizer without a chat template -> the documented ChatML default
+        chat_template = None
+        bos_token, eos_token = "<s>", "</s>"
+
+        def get_vocab(self):
+            return {}
+
+    default = ChatTemplate.for_tokenizer(NoTemplate())
+    assert default.origin == "default"
+    assert default.render(msgs, True) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                                          "<|im_start|>assistant\n")
+    assert default.stop_strings == ["<|im_end|>"]
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    from_file = ChatTemplate.for_tokenizer(tok, str(f))
+    assert from_file.render(msgs, True) == "[system] be brief\n[user] hi\n"
+    with pytest.raises(ChatTemplateError, match="neither"):
+        ChatTemplate.for_tokenizer(tok, str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("evil", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # attribute escape
+    "{% set l = [] %}{{ l.append(1) }}",  # mutation (immutable sandbox)
+    "{{ raise_exception('nope') }}",
+    "{% for m in messages %}{{ m['content'] ",  # does not compile
+])
+def test_chat_template_is_sandboxed(tok, evil):
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.for_tokenizer(tok, evil)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def test_prometheus_text():
+    m = ServerMetrics()
+    m.requests.inc(endpoint="/v1/completions", code="200")
+    m.requests.inc(endpoint="/v1/completions", code="200")
+    m.requests.inc(endpoint='we"ird\\', code="400")
+    m.latency.observe(0.3)
+    m.latency.observe(7.0)
+    m.queue_depth.set(3, model="tiny")
+    text = m.render()
+    lines = text.splitlines()
+    assert "# TYPE nemo_spec_requests_total counter" in lines
+    assert 'nemo_spec_requests_total{code="200",endpoint="/v1/completions"} 2' in lines
+    assert 'nemo_spec_requests_total{code="400",endpoint="we\\"ird\\\\"} 1' in lines
+    assert 'nemo_spec_request_latency_seconds_bucket{le="0.25"} 0' in lines
+    assert 'nemo_spec_request_latency_seconds_bucket{le="0.5"} 1' in lines
+    assert 'nemo_spec_request_latency_seconds_bucket{le="+Inf"} 2' in lines
+    assert "nemo_spec_request_latency_seconds_count 2" in lines
+    assert "nemo_spec_request_latency_seconds_sum 7.3" in lines
+    assert 'nemo_spec_queue_depth{model="tiny"} 3' in lines
+    assert text.endswith("\n")
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def test_serve_yaml_maps_onto_serve_config():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("serve", overrides=["model.path=/ckpt/a", "model.method=eagle_tree", "model.max_batch=16",
+                                          "port=9000", "api_keys=[k1,k2]", "admin_key=adm",
+                                          "+model.options.depth=4"])
+    sc = ServeConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), "serve.yaml")
+    assert (sc.port, sc.api_keys, sc.admin_key) == (9000, ["k1", "k2"], "adm")
+    assert len(sc.models) == 1
+    m = sc.models[0]
+    assert (m.path, m.method, m.max_batch, m.options) == ("/ckpt/a", "eagle_tree", 16, {"depth": 4})
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        bare = compose("serve")
+    assert ServeConfig.from_dict(OmegaConf.to_container(bare, resolve=True)).models == []  # path null: none
+
+
+def test_serve_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="method"):
+        ModelSpec(name="m", path="/x", method="speculate").validate()
+    with pytest.raises(ConfigError, match="draft_path"):
+        ModelSpec(name="m", path="/x", method="draft_model").validate()
+    with pytest.raises(ConfigError, match="max_batch"):
+        ModelSpec(name="m", path="/x", max_batch=0).validate()
+    with pytest.raises(ConfigError, match="unknown model key"):
+        ModelSpec.from_dict({"name": "m", "pth": "/x"})
+    with pytest.raises(ConfigError, match="unknown serve key"):
+        ServeConfig.from_dict({"hots": "0.0.0.0"})
+    with pytest.raises(ConfigError, match="duplicate"):
+        ServeConfig.from_dict({"models": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]})
+    with pytest.raises(ConfigError, match="max_queue"):
+        ServeConfig(max_queue=0).validate()
+
+
+def test_max_context_beyond_model_is_rejected(tok):
+    from nemo_spec.serve.models import build_served_model
+
+    with pytest.raises(ConfigError, match="max_context"):
+        build_served_model(ModelSpec(name="m", max_context=10_000), model=tiny_model(tok), tokenizer=tok)
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+
+def test_request_models():
+    r = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "stop": "x", "unknown_field": 1})
+    assert r.messages[0].text() == "ab" and r.stop_list() == ["x"] and r.n == 1
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                              "stop": ["a", "b", "c", "d", "e"]})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": []})
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]]}).prompt == [[1, 2], [3]]
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+def test_benchmark_counts_exact_tokens(tok):
+    from nemo_spec.serve.benchmark import format_table, run_benchmark
+
+    with live_server(tiny_model(tok), tok, name="tiny", max_batch=8) as srv:
+        res = run_benchmark(srv.url + "/v1", "tiny", levels=(1, 4), requests=4, max_tokens=6,
+                            prompts=["the cat", "we read"], warmup=False)
+        assert srv.manager.get("tiny").batcher.batches_run < 8  # the 4-stream level shared batches
+    assert [r.concurrency for r in res] == [1, 4]
+    assert all(r.completion_tokens == 4 * 6 for r in res)  # ignore_eos: every stream runs max_tokens
+    assert res[0].speedup_vs_sequential == 1.0 and res[1].speedup_vs_sequential > 0
+    assert "x_sequential" in format_table(res)
