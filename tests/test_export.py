@@ -328,3 +328,23 @@ def test_tp2_export_and_import(exported, tmp_path):
         import_draft(fresh, exp2)
         ids, feats = blob[alg]["ids"], blob[alg]["feats"]
         assert (our_draft_logits(fresh, ids, feats) - tp2[alg]["logits"]).abs().max() < 1e-5
+
+
+def test_eagle3_import_accepts_layers0_naming_and_requires_d2t(exported, tmp_path):
+    """vLLM also loads EAGLE-3 drafts whose first layer is named layers.0.*; a reduced vocab without d2t is refused."""
+    from safetensors.torch import load_file, save_file
+
+    model, _, exp = exported["eagle3"]
+    d = tmp_path / "renamed"
+    d.mkdir()
+    (d / "config.json").write_text((exp / "draft" / "config.json").read_text())
+    sd = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(str(exp / "draft" / "model.safetensors")).items()}
+    save_file(sd, str(d / "model.safetensors"))
+    fresh = make_model("eagle3", seed=8).eval()
+    fresh.gpt.load_state_dict(model.gpt.state_dict())
+    import_draft(fresh, d)
+    ids, feats = _inputs(model)
+    assert torch.equal(our_draft_logits(fresh, ids, feats), our_draft_logits(model, ids, feats))
+    save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, str(d / "model.safetensors"))
+    with pytest.raises(ExportError, match="reduced vocabulary .*no 'd2t'"):
+        import_draft(fresh, d)

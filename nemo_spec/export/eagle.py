@@ -167,26 +167,32 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
 
 def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
                           cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Reference EAGLE-3 tensors (+ config.json) -> neutral draft tensors; checks shapes against ``cfg``."""
+    """Reference EAGLE-3 tensors (+ config.json) -> draft tensors; layer 0 may be ``midlayer.*`` or ``layers.0.*``."""
     nh, ng, hd = _heads(cfg)
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
-        raise ExportError("EAGLE-3 draft lacks 'fc.weight'")
+        raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
+    first = "midlayer." if "midlayer.self_attn.q_proj.weight" in tensors else "layers.0."
     out: Dict[str, torch.Tensor] = {"fc.weight": tensors["fc.weight"]}
     if "fc.bias" in tensors:
         out["fc.bias"] = tensors["fc.bias"]
     for i in range(n_layers):
-        src = "midlayer." if i == 0 else f"layers.{i}."
+        src = first if i == 0 else f"layers.{i}."
         out.update(layer_from_hf(tensors, src, f"layers.{i}.", nh, ng, hd, input_norm=True))
-    for src, dst in (("midlayer.hidden_norm.weight", "layers.0.hidden_norm.weight"),
+    for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),
                      ("norm.weight", "final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
         if src not in tensors:
             raise ExportError(f"EAGLE-3 draft lacks {src!r}")
         out[dst] = tensors[src]
     vd = out["output_layer.weight"].shape[0]
-    if int(conf.get("draft_vocab_size", vd)) != vd:
+    if int(conf.get("draft_vocab_size") or vd) != vd:
         raise ExportError(f"config draft_vocab_size={conf.get('draft_vocab_size')} but lm_head has {vd} rows")
-    out["d2t"] = tensors["d2t"].to(torch.long) if "d2t" in tensors else torch.zeros(vd, dtype=torch.long)
+    if "d2t" in tensors:
+        out["d2t"] = tensors["d2t"].to(torch.long)
+    elif vd == cfg.vocab_size:
+        out["d2t"] = torch.zeros(vd, dtype=torch.long)
+    else:
+        raise ExportError(f"EAGLE-3 draft has a reduced vocabulary ({vd} of {cfg.vocab_size}) but no 'd2t' mapping")
     if "embed_tokens.weight" in tensors:
         log.info("EAGLE-3 draft stores embed_tokens.weight; ignored (the draft embeds tokens with the base's table)")
     return out
