@@ -146,6 +146,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
         dtype = next(unwrap(model).parameters()).dtype
         from nemo_spec.checkpoint.hf import export_hf
 
+        if work_dir is not None:
+            Path(work_dir).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             base_dir = export_hf(unwrap(model), Path(tmp) / "base", dtype=dtype)
             hf_model = _load_hf(base_dir, dev, dtype)
@@ -248,3 +250,76 @@ def write_outputs(result: Dict[str, Any], out_dir: Path) -> Dict[str, Path]:
         paths[name] = out_dir / name
     paths["benchmark.png"] = plot(result, out_dir / "benchmark.png")
     return paths
+
+
+def default_prompts(n: int, max_prompt_chars: int = 1200) -> List[str]:
+    """Held-out code-completion prompts from the local stdlib corpus (the built-in base model's domain)."""
+    from nemo_spec.base.corpus import heldout_samples, load_corpus
+
+    return [s.prompt for s in heldout_samples(load_corpus(), n=n, max_prompt_chars=max_prompt_chars)]
+
+
+def build_parser():
+    """Argument parser of scripts/benchmark.py."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="Benchmark AR and speculative decoding (ours) against transformers "
+                                            "generate on the same weights.")
+    p.add_argument("--model", required=True, help="checkpoint dir (base GPT, or an EAGLE/Medusa speculative model)")
+    p.add_argument("--draft-model", default=None, help="smaller GPT checkpoint (draft_model + HF assistant_model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint's)")
+    p.add_argument("--prompt-file", default=None, help="one prompt per line / JSONL with 'prompt' "
+                                                         "(default: held-out stdlib code prompts)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--methods", nargs="+", default=None, help="subset of our methods (default: all available)")
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--tree-top-k", type=int, default=None)
+    p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dir", default="benchmark_out")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark CLI; writes JSON/markdown/PNG and prints the table."""
+    import sys
+
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import find_tokenizer_dir, load_model
+    from nemo_spec.data.chat import load_tokenizer
+
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise SamplingError("--num-prompts and --max-new-tokens must be >= 1")
+    tok_path = args.tokenizer or find_tokenizer_dir(args.model)
+    if tok_path is None:
+        raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")
+    tokenizer = load_tokenizer(tok_path)
+    if args.prompt_file:
+        texts = []
+        for line in Path(args.prompt_file).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                texts.append(str(json.loads(line)["prompt"]) if line.lstrip().startswith("{")
+                             else line.replace("\\n", "\n"))
+        texts = texts[: args.num_prompts]
+    else:
+        texts = default_prompts(args.num_prompts)
+    prompts = [tokenizer.encode(t, add_special_tokens=False) or [0] for t in texts]
+    options = {k: v for k, v in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth),
+                                 ("top_k", args.tree_top_k), ("total_tokens", args.total_tokens)] if v is not None}
+    parallel.initialize(1)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_model(args.model, dtype=dtype)
+    draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    ctx = model_config(model).max_position_embeddings - args.max_new_tokens
+    prompts = [p[-ctx:] for p in prompts]
+    result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
+                       hf=not args.no_hf, work_dir=Path(args.out_dir))
+    paths = write_outputs(result, Path(args.out_dir))
+    sys.stdout.write(to_markdown(result))
+    sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")
+    return 0

@@ -1,0 +1,107 @@
+"""generate CLI (args/stdin/file prompts, streaming, stats) and the side-by-side benchmark vs transformers."""
+import io
+import json
+
+import pytest
+import torch
+
+from nemo_spec.inference import SamplingError, SamplingParams, generate
+from nemo_spec.inference import benchmark as bench
+from nemo_spec.inference import cli
+from nemo_spec.models import build_gpt
+from tests.helpers import tiny_llama
+
+torch.set_num_threads(1)
+TEXT = "the cat sat on the mat and the dog sat on the log while the bird sang in the tree " * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny Llama exported as a Hugging Face dir with a small BPE tokenizer (vocab <= model vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from nemo_spec.checkpoint.hf import export_hf
+
+    root = tmp_path_factory.mktemp("gen")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=80, special_tokens=["<pad>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+    fast.save_pretrained(root / "tok")
+    torch.manual_seed(0)
+    model = build_gpt(tiny_llama()).eval()
+    path = export_hf(model, root / "hf", tokenizer_dir=root / "tok")
+    torch.manual_seed(1)
+    draft = export_hf(build_gpt(tiny_llama(num_layers=1)).eval(), root / "draft", tokenizer_dir=root / "tok")
+    return path, draft, fast
+
+
+def _run(argv, stdin=""):
+    out, err = io.StringIO(), io.StringIO()
+    rc = cli.main(argv, stdin=io.StringIO(stdin), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_streams_arg_prompt_and_matches_api(ckpt):
+    from nemo_spec.checkpoint import load_model
+
+    path, _, tok = ckpt
+    rc, out, err = _run(["--model", str(path), "the cat sat", "--max-new-tokens", "6", "--ignore-eos"])
+    assert rc == 0 and "tau=1.00" in err and "finish=length" in err
+    ids = tok.encode("the cat sat", add_special_tokens=False)
+    ref = generate(load_model(path), [ids], SamplingParams(max_new_tokens=6), options={"ignore_eos": True})[0]
+    assert out == "the cat sat" + tok.decode(ref.tokens) + "\n"
+
+
+def test_cli_stdin_file_methods_and_stats(ckpt, tmp_path):
+    path, draft, _ = ckpt
+    stats = tmp_path / "stats.json"
+    rc, out, err = _run(["--model", str(path), "-", "--method", "draft_model", "--draft-model", str(draft),
+                         "--max-new-tokens", "5", "--ignore-eos", "--stats-json", str(stats)],
+                        stdin="the dog sat\nthe bird sang\n")
+    assert rc == 0 and out.count("=== [") == 2 and err.count("draft_model:") == 2
+    rec = json.loads(stats.read_text())
+    assert [r["prompt"] for r in rec] == ["the dog sat", "the bird sang"] and all(len(r["tokens"]) == 5 for r in rec)
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"prompt": "on the mat"}) + "\n")
+    rc, out, err = _run(["--model", str(path), "--prompt-file", str(pf), "--method", "prompt_lookup",
+                         "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "4",
+                         "--ignore-eos"])
+    assert rc == 0 and out.startswith("on the mat") and "prompt_lookup:" in err
+
+
+def test_cli_errors(ckpt):
+    path, _, _ = ckpt
+    with pytest.raises(SamplingError, match="draft-model"):
+        _run(["--model", str(path), "x", "--method", "draft_model"])
+    with pytest.raises(SamplingError, match="temperature"):
+        _run(["--model", str(path), "x", "--temperature", "-1"])
+    with pytest.raises(SamplingError, match="no prompts"):
+        _run(["--model", str(path)], stdin="")
+
+
+def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
+    from nemo_spec.checkpoint import load_model
+
+    path, draft, tok = ckpt
+    model, dmodel = load_model(path), load_model(draft)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["the cat sat on", "the dog", "in the tree the bird"]]
+    res = bench.benchmark(model, prompts, dmodel, batch_sizes=(1, 2), max_new_tokens=6, work_dir=tmp_path,
+                          options={"num_draft_tokens": 3})
+    got = {(r["engine"], r["method"], r["batch_size"]) for r in res["rows"]}
+    for b in (1, 2):
+        assert {("nemo_spec", m, b) for m in ("ar", "prompt_lookup", "draft_model")} <= got
+        assert ("transformers", "plain", b) in got
+    assert {("transformers", "prompt_lookup", 1), ("transformers", "assistant_model", 1)} <= got
+    # greedy everywhere: every configuration, ours and transformers', produces our AR tokens
+    assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
+    assert all(r["new_tokens"] == 18 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert "ar_vs_transformers_b1" in res["summary"] and "best_speculative_b1" in res["summary"]
+    paths = bench.write_outputs(res, tmp_path / "out")
+    assert json.loads(paths["benchmark.json"].read_text())["config"]["max_new_tokens"] == 6
+    assert "| transformers | assistant_model | 1 |" in paths["benchmark.md"].read_text()
+    assert paths["benchmark.png"].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SamplingError, match="not available"):
+        bench.benchmark(model, prompts, None, methods=["eagle"], hf=False)
