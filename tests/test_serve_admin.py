@@ -131,3 +131,48 @@ def test_speculative_serving_batched_matches_greedy(model, tok, method, transfor
         metrics = httpx.get(srv.url + "/metrics").text
         tau = [l for l in metrics.splitlines() if l.startswith("nemo_spec_acceptance_length_count")]
         assert tau and float(tau[0].split()[-1]) >= len(prompts)
+
+
+def test_serve_script_loads_checkpoint_from_config(model, tok, tok_dir, tmp_path):
+    """scripts/serve.py (Hydra overrides) loads a checkpoint at start-up and answers on 127.0.0.1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nemo_spec.checkpoint.hf import export_hf
+    from tests.helpers import ROOT, _free_port
+
+    ckpt = export_hf(clone_model(model), tmp_path / "hf", tokenizer_dir=tok_dir)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "model.name=tiny",
+           f"port={port}", "model.max_batch=4", "api_keys=[sk-test]", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(url + "/health", headers={"Authorization": "Bearer sk-test"}).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=120)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        out = c.completions.create(model="tiny", prompt="the cat sat on", max_tokens=8, temperature=0)
+        assert out.choices[0].text == _greedy_text(clone_model(model), tok, "the cat sat on", 8)
+        assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # resolved config next to the run
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
