@@ -274,3 +274,20 @@ def test_tp_that_does_not_divide_is_rejected_before_loading(llama_ckpt, tmp_path
     odd_vocab = _edited_copy(path, tmp_path / "vocab", vocab_size=97)
     with pytest.raises(ConfigError, match="nemo_spec_config.json.*vocab_size=97"):
         load_model(odd_vocab, tp_size=2)
+
+
+def test_hugging_face_dirs_dispatch_to_hf(tmp_path):
+    hf = pytest.importorskip("nemo_spec.checkpoint.hf")
+    torch.manual_seed(12)
+    model = perturb_(build_gpt(tiny_llama()), seed=13)
+    out = hf.export_hf(model, tmp_path / "hf")
+    assert detect_format(out) == "hf"
+    assert read_checkpoint_config(out)["model"]["hidden_size"] == 64
+    loaded = load_model(out)
+    sd, ref = tensor_sd(loaded), tensor_sd(model)
+    assert set(sd) == set(ref) and all(torch.allclose(sd[k], ref[k]) for k in ref)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = ["BertForMaskedLM"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json.*BertForMaskedLM"):
+        load_model(out)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -456,7 +457,10 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
     if sharded_sd is None:
         sharded_sd = module.sharded_state_dict()
     check_sharded_shapes(sharded_sd, ckpt_dir, source)
-    loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
+    with warnings.catch_warnings():  # torch DCP deprecation notices about ShardedTensor that megatron still uses
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
     if key_map is not None:
         loaded = key_map(loaded)
     result = module.load_state_dict(loaded, strict=False)
@@ -502,7 +506,4 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     cfg = read_checkpoint_config(p)
     check_tp(model_config_from(cfg, str(p / "config.json")), tp, str(p / "config.json"))
     _ensure_parallel(tp)
-    model = hf.load_hf(p)
-    if dtype is not None and _params_dtype(model) != dtype:
-        model = model.to(dtype)
-    return model
+    return hf.load_hf(p, params_dtype=dtype or torch.float32)
