@@ -743,7 +743,7 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         elif not overwrite:
-            raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True to replace it)")
+            raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
         else:
             trash = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, trash)
@@ -771,7 +771,7 @@ def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional
     if tok is not None and not tok.is_dir():
         raise HFCheckpointError(f"tokenizer_dir {tok}: not a directory")
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True to replace it)")
+        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
     full = tp_mod.gather_full_state_dict(gpt, gated=cfg.activation == "swiglu")
     error: Optional[BaseException] = None
     if parallel.is_rank_zero():
@@ -836,7 +836,7 @@ def convert_checkpoint_to_hf(ckpt_dir: PathLike, out_dir: PathLike, dtype: Union
     resolve_dtype(dtype)  # fail before loading anything
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True to replace it)")
+        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
     if is_hf_dir(src):
         model = load_hf(src)
         tok = Path(tokenizer_dir) if tokenizer_dir else (src if has_tokenizer_files(src) else None)
