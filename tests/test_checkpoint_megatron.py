@@ -111,6 +111,8 @@ def test_speculative_model_roundtrip(tmp_path):
     assert any("eagle" in k or "draft" in k for k in keys)
     for k in keys:
         assert torch.equal(a[k], b[k]), k
+    base_only = load_model(path, base_only=True)
+    assert type(base_only).__name__ == "GPTModel" and _same_weights(base, base_only)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -274,6 +276,8 @@ def test_tp_that_does_not_divide_is_rejected_before_loading(llama_ckpt, tmp_path
     odd_vocab = _edited_copy(path, tmp_path / "vocab", vocab_size=97)
     with pytest.raises(ConfigError, match="nemo_spec_config.json.*vocab_size=97"):
         load_model(odd_vocab, tp_size=2)
+    with pytest.raises(CheckpointConfigError, match="cannot load at tp_size=2.*world size 1"):
+        load_model(path, tp_size=2)  # divisible, but this single process cannot host two TP ranks
 
 
 def test_hugging_face_dirs_dispatch_to_hf(tmp_path):

@@ -384,7 +384,10 @@ def _ensure_parallel(tp: int) -> None:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized() or parallel.tp_size() != tp:
-        parallel.initialize(tensor_parallel_size=tp)
+        try:
+            parallel.initialize(tensor_parallel_size=tp)
+        except ValueError as e:
+            raise CheckpointConfigError(f"cannot load at tp_size={tp}: {e}") from e
 
 
 def build_for_checkpoint(cfg: ModelConfig, spec: Optional[SpeculativeConfig], dtype: torch.dtype,
@@ -469,11 +472,11 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
         raise CheckpointError(f"{ckpt_dir}: no value loaded for {missing[:6]}")
 
 
-def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype]) -> torch.nn.Module:
+def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], base_only: bool) -> torch.nn.Module:
     cfg_dict = _read_own_config(p)
     source = str(p / CONFIG_NAME)
     cfg = model_config_from(cfg_dict, source)
-    spec = speculative_config_from(cfg_dict, cfg, source)
+    spec = None if base_only else speculative_config_from(cfg_dict, cfg, source)
     tp = _target_tp(tp_size)
     check_tp(cfg, tp, source)
     if dtype is None:
@@ -485,18 +488,20 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype]) -> 
     return module
 
 
-def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+               base_only: bool = False) -> torch.nn.Module:
     """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM or Hugging Face checkpoint directory.
 
     The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
     when it differs); weights are resharded exactly from whatever TP size the checkpoint was saved with.
-    ``dtype`` defaults to the saved parameter dtype (float32 when unknown).
+    ``dtype`` defaults to the saved parameter dtype (float32 when unknown). ``base_only`` loads just the
+    base GPTModel of a checkpoint that also holds a speculative draft.
     """
     apply_cpu_workarounds()
     p = Path(path).expanduser()
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
-        return _load_own(p, tp_size, dtype)
+        return _load_own(p, tp_size, dtype, base_only)
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
