@@ -323,3 +323,17 @@ def test_queue_full_gives_503_and_disconnect_cancels(slow_server):
         ok = h.post(srv.url + "/v1/completions", json={"model": "slow", "prompt": "the cat", "max_tokens": 3,
                                                        "temperature": 0, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_non_streamed_disconnect_cancels(slow_server):
+    srv = slow_server
+    cancelled = srv.app.state.metrics.cancelled
+    before = cancelled.total()
+    body = {"model": "slow", "prompt": "the cat", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    _wait(lambda: cancelled.total() > before, timeout=30)
+    _wait(lambda: srv.manager.get("slow").batcher.running_rows == 0, timeout=30)
+    ok = httpx.post(srv.url + "/v1/completions", json={"model": "slow", "prompt": "the cat", "max_tokens": 2,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

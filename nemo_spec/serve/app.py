@@ -118,6 +118,7 @@ class _Job:
         self.finish: List[Optional[str]] = [None] * num_choices
         self.counts = [0] * num_choices
         self.t0 = time.monotonic()
+        self._checked = self.t0
 
     @property
     def finished(self) -> bool:
@@ -146,12 +147,15 @@ class _Job:
     async def next_event(self, request: Optional[Request]) -> Tuple:
         """The next batcher event; polls for client disconnects while waiting (non-streamed requests)."""
         while True:
+            if request is not None and time.monotonic() - self._checked > DISCONNECT_POLL_S:
+                self._checked = time.monotonic()  # events may flow continuously: check on a clock, not on idle
+                if await request.is_disconnected():
+                    self.gen.cancelled = True
+                    raise ClientGone("client disconnected")
             try:
                 return await asyncio.wait_for(self.gen.events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.gen.cancelled = True
-                    raise ClientGone("client disconnected")
+                continue
 
 
 def _sse(obj: Dict[str, Any]) -> str:
