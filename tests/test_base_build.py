@@ -59,6 +59,8 @@ def test_tiny_build_writes_checkpoint_tokenizer_and_metrics(tiny_build):
     build = json.loads((result.path / "build.json").read_text())
     assert build["seed"] == 0 and build["corpus"]["fingerprint"] and build["preset"]["name"] == "tiny"
     assert (result.path / "logs" / "metrics.csv").is_file()
+    counts = torch.load(result.token_counts, weights_only=True)
+    assert counts.shape == (512,) and int(counts.sum()) == metrics["corpus_train_tokens"] and counts[1] > 0
 
 
 def test_second_call_hits_cache(tiny_build):

@@ -6,6 +6,7 @@ the seed, the corpus fingerprint and :data:`CODE_VERSION`:
     checkpoint/      Megatron distributed checkpoint (torch_dist) + nemo_spec_config.json + tokenizer/
     tokenizer/       Hugging Face tokenizer directory
     metrics.json     held-out loss / perplexity, timings, sizes
+    token_counts.pt  token frequencies of the training split (gpt_speculate.py --token_counts)
     build.json       the resolved build settings (preset, seed, corpus fingerprint, versions)
     logs/            Lightning CSV logs of the pretraining run
 
@@ -78,6 +79,11 @@ class BaseModel:
     def checkpoint(self) -> Path:
         """The Megatron distributed checkpoint directory (load with nemo_spec.checkpoint.load_model)."""
         return self.path / "checkpoint"
+
+    @property
+    def token_counts(self) -> Path:
+        """Token frequencies of the training split (LongTensor [vocab])."""
+        return self.path / "token_counts.pt"
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -200,6 +206,8 @@ def _build_into(out: Path, preset: BasePreset, seed: int, corpus: Corpus, key: s
     t_enc = time.time() - t0 - t_tok
     log.info("tokenizer (vocab %d) in %.1f s; encoded %.2fM train / %.3fM held-out tokens in %.1f s", vocab, t_tok,
              train_stream.numel() / 1e6, heldout_stream.numel() / 1e6, t_enc)
+    counts = torch.bincount(train_stream, minlength=vocab)  # for EAGLE-3 draft vocabularies (gpt_speculate)
+    torch.save(counts, out / "token_counts.pt")
     model_cfg = preset.model_config(vocab_size=vocab)
     info = {"preset": preset.to_dict(), "seed": seed, "key": key, "code_version": CODE_VERSION,
             "corpus": {"root": str(corpus.root), "fingerprint": corpus.fingerprint, "train_files": len(corpus.train),
@@ -208,10 +216,10 @@ def _build_into(out: Path, preset: BasePreset, seed: int, corpus: Corpus, key: s
             "model": model_cfg.to_dict(), "python": sys.version.split()[0], "torch": torch.__version__}
     _write_json(out / "build.json", info)
     with _single_process():
-        t1 = time.time()
+        t1, c1 = time.time(), time.process_time()
         module, metrics = pretrain(model_cfg, preset.train, train_stream, heldout_stream, seed,
                                    log_dir=out / "logs", progress=progress)
-        t_train = time.time() - t1
+        t_train, c_train = time.time() - t1, time.process_time() - c1
         model = module.model
         metrics.update(
             preset=preset.name, seed=seed, key=key, vocab_size=vocab,
@@ -219,6 +227,7 @@ def _build_into(out: Path, preset: BasePreset, seed: int, corpus: Corpus, key: s
             corpus_train_tokens=int(train_stream.numel()), corpus_heldout_tokens=int(heldout_stream.numel()),
             epochs=round(preset.train.train_tokens / max(1, train_stream.numel()), 3),
             tokenizer_seconds=round(t_tok, 2), encode_seconds=round(t_enc, 2), train_seconds=round(t_train, 2),
+            train_cpu_seconds=round(c_train, 2),
             torch_threads=torch.get_num_threads(),
         )
         if not math.isfinite(metrics["heldout_loss"]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import logging
+import os
 import random
 import sys
 import sysconfig
@@ -45,13 +46,13 @@ def list_source_files(root: Optional[Path] = None,
         raise CorpusError(f"corpus root {root} is not a directory")
     excluded = set(exclude_dirs)
     out: List[str] = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in excluded for part in rel.parts[:-1]) or _is_test_file(rel.name):
-            continue
-        if path.is_symlink() or not path.is_file():
-            continue
-        out.append(rel.as_posix())
+    for dirpath, dirnames, filenames in os.walk(root):  # prune excluded dirs instead of walking them
+        dirnames[:] = [d for d in dirnames if d not in excluded and not os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not name.endswith(".py") or _is_test_file(name) or path.is_symlink() or not path.is_file():
+                continue
+            out.append(path.relative_to(root).as_posix())
     out.sort()
     if not out:
         raise CorpusError(f"no *.py files under {root} after excluding {sorted(excluded)}")

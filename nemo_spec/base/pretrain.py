@@ -78,10 +78,10 @@ class StepLog(L.Callback):
 
     def __init__(self, tokens_per_step: int, times: int = 10) -> None:
         self.tokens_per_step, self.times = tokens_per_step, times
-        self.t0 = 0.0
+        self.t0 = self.cpu0 = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.t0 = time.time()
+        self.t0, self.cpu0 = time.time(), time.process_time()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step, total = trainer.global_step, trainer.max_steps
@@ -90,8 +90,9 @@ class StepLog(L.Callback):
             return
         dt = time.time() - self.t0
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        log.info("step %d/%d loss %.4f | %.0f tok/s | elapsed %.0f s, ETA %.0f s", step, total, float(loss),
-                 step * self.tokens_per_step / max(dt, 1e-9), dt, dt / max(step, 1) * (total - step))
+        log.info("step %d/%d loss %.4f | %.0f tok/s | elapsed %.0f s (cpu %.0f s), ETA %.0f s", step, total,
+                 float(loss), step * self.tokens_per_step / max(dt, 1e-9), dt, time.process_time() - self.cpu0,
+                 dt / max(step, 1) * (total - step))
 
 
 def _progress_bar(refresh_rate: int) -> L.Callback:

@@ -1,0 +1,312 @@
+"""The quickstart pipeline: built-in base -> EAGLE-3 transform -> draft training -> export -> benchmark.
+
+Every stage writes its output under ``<cache>/quickstart/<base build name>/`` and is skipped when that
+output already exists (draft training resumes from its last checkpoint), so a second run only redoes
+what is missing. Stages after the base run the project's own scripts in subprocesses — exactly the
+commands a user would type — and each command is logged before it runs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from nemo_spec.base.build import BaseModel, build_base, resolve_cache_dir
+from nemo_spec.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: stage -> (package module it needs, script it runs)
+STAGE_REQUIREMENTS: Dict[str, tuple] = {
+    "base": ("nemo_spec.checkpoint", "scripts/build_base.py"),
+    "speculate": ("nemo_spec.speculative.cli", "scripts/gpt_speculate.py"),
+    "data": ("nemo_spec.data", None),
+    "train": ("nemo_spec.training.cli", "scripts/train_speculative.py"),
+    "export": ("nemo_spec.export.cli", "scripts/export.py"),
+    "benchmark": ("nemo_spec.inference.benchmark", "scripts/benchmark.py"),
+}
+STAGES: tuple = tuple(STAGE_REQUIREMENTS)
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+class QuickstartError(RuntimeError):
+    """A quickstart stage is missing from this checkout or failed; the message names the stage."""
+
+
+def stage_available(stage: str) -> Optional[str]:
+    """None when ``stage`` can run in this checkout, else why not (the missing module or script)."""
+    if stage not in STAGE_REQUIREMENTS:
+        raise ConfigError(f"unknown quickstart stage {stage!r}; stages: {list(STAGES)}")
+    module, script = STAGE_REQUIREMENTS[stage]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"module {module} is not in this checkout"
+    if script is not None and not (ROOT / script).is_file():
+        return f"script {script} is not in this checkout"
+    return None
+
+
+@dataclass
+class QuickstartConfig:
+    """Knobs of the quickstart (defaults: the README numbers)."""
+
+    preset: str = "small"
+    seed: int = 0
+    cache_dir: Optional[str] = None
+    draft_vocab_size: Optional[int] = 4096
+    train_steps: int = 300
+    train_bs: int = 8
+    train_seq_len: int = 256
+    train_lr: float = 3e-3
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+    stages: Sequence[str] = field(default_factory=lambda: list(STAGES))
+    extra: Dict[str, List[str]] = field(default_factory=dict)  # stage -> extra CLI args / Hydra overrides
+
+    def validate(self) -> "QuickstartConfig":
+        """Raise ConfigError naming the invalid field."""
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad:
+            raise ConfigError(f"quickstart stages {bad} unknown; stages: {list(STAGES)}")
+        for name in ("train_steps", "train_bs", "train_seq_len", "num_prompts", "max_new_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"quickstart.{name} must be a positive int, got {v!r}")
+        bad_extra = sorted(set(self.extra) - set(STAGES))
+        if bad_extra:
+            raise ConfigError(f"quickstart.extra has unknown stage(s) {bad_extra}")
+        return self
+
+
+@dataclass
+class QuickstartResult:
+    """Where each finished stage put its output, and which stages were reused from the cache."""
+
+    work_dir: Path
+    base: Optional[BaseModel] = None
+    outputs: Dict[str, Path] = field(default_factory=dict)
+    cached: List[str] = field(default_factory=list)
+    seconds: Dict[str, float] = field(default_factory=dict)
+    table: Optional[str] = None
+
+
+def _run(stage: str, args: List[str], log_file: Path) -> None:
+    """Run one stage command (a project script) with its output teed to ``log_file``; raise on failure."""
+    cmd = [sys.executable, *args]
+    log.info("[%s] $ %s", stage, " ".join(shlex.quote(a) for a in cmd))
+    env = dict(os.environ)
+    for var in _DIST_ENV:  # set by this process's own single-process torch.distributed (base build)
+        env.pop(var, None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            sys.stderr.write(line)
+        rc = proc.wait()
+    if rc != 0:
+        raise QuickstartError(f"quickstart stage {stage!r} failed (exit code {rc}); see {log_file}")
+
+
+def run_quickstart(cfg: QuickstartConfig, on_stage: Optional[Callable[[str, str], None]] = None) -> QuickstartResult:
+    """Run the quickstart stages in order, reusing finished outputs; raises QuickstartError naming a missing stage."""
+    cfg.validate()
+    # fail before heavy work when a requested stage cannot run in this checkout (report all of them)
+    missing = {s: why for s in cfg.stages if (why := stage_available(s)) is not None}
+    runnable = [s for s in cfg.stages if s not in missing]
+    first_missing = next((s for s in cfg.stages if s in missing), None)
+    if first_missing is not None:
+        log.warning("quickstart: stage(s) %s cannot run (%s); running the stages before %r",
+                    list(missing), "; ".join(f"{s}: {w}" for s, w in missing.items()), first_missing)
+        runnable = list(cfg.stages[:list(cfg.stages).index(first_missing)])
+
+    base = None
+    res = QuickstartResult(work_dir=Path())
+    t_all = time.time()
+    for stage in runnable:
+        t0 = time.time()
+        if on_stage:
+            on_stage(stage, "start")
+        if stage == "base":
+            base = build_base(cfg.preset, seed=cfg.seed, cache_dir=cfg.cache_dir)
+            res.base = base
+            res.work_dir = resolve_cache_dir(cfg.cache_dir) / "quickstart" / base.path.name
+            res.work_dir.mkdir(parents=True, exist_ok=True)
+            res.outputs["base"] = base.checkpoint
+            if base.cached:
+                res.cached.append("base")
+        else:
+            if base is None:
+                raise QuickstartError(f"quickstart stage {stage!r} needs the 'base' stage first")
+            done = _STAGE_FUNCS[stage](cfg, base, res)
+            if done:
+                res.cached.append(stage)
+        res.seconds[stage] = round(time.time() - t0, 1)
+        log.info("quickstart stage %r %s in %.1f s", stage, "reused" if stage in res.cached else "done",
+                 res.seconds[stage])
+        if on_stage:
+            on_stage(stage, "done")
+    res.seconds["total"] = round(time.time() - t_all, 1)
+    if first_missing is not None:
+        raise QuickstartError(
+            f"quickstart stopped before stage {first_missing!r}: {missing[first_missing]} "
+            f"(finished: {runnable}; outputs under {res.work_dir})")
+    return res
+
+
+def _stage_speculate(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
+    out = res.work_dir / "eagle3_init"
+    res.outputs["speculate"] = out
+    if (out / "nemo_spec_config.json").is_file():
+        return True
+    args = ["scripts/gpt_speculate.py", "--model_path", str(base.checkpoint), "--export_dir", str(out),
+            "--algorithm", "eagle3", "--num_eagle_layers", "1"]
+    if cfg.draft_vocab_size:
+        args += ["--draft_vocab_size", str(cfg.draft_vocab_size), "--token_counts", str(base.token_counts)]
+    _run("speculate", args + list(cfg.extra.get("speculate", [])), res.work_dir / "logs" / "speculate.log")
+    return False
+
+
+def _stage_data(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
+    from nemo_spec.base.corpus import heldout_prompts, load_corpus
+    from nemo_spec.base.presets import load_preset
+
+    out = res.work_dir / "data"
+    res.outputs["data"] = out
+    marker = out / "done.json"
+    if marker.is_file():
+        return True
+    preset = load_preset(cfg.preset)
+    corpus = load_corpus(heldout_fraction=preset.corpus.heldout_fraction, max_bytes=preset.corpus.max_bytes)
+    corpus.write_split("train", out / "train")
+    prompts = heldout_prompts(corpus, n=cfg.num_prompts, seed=cfg.seed)
+    tmp = out / "prompts.jsonl.tmp"
+    tmp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    tmp.replace(out / "prompts.jsonl")
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"corpus": corpus.fingerprint, "train_files": len(corpus.train),
+                               "prompts": len(prompts)}) + "\n")
+    tmp.replace(marker)
+    return False
+
+
+def _stage_train(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
+    run_dir = res.work_dir / "train"
+    final = run_dir / "final"
+    res.outputs["train"] = final
+    if (final / "nemo_spec_config.json").is_file():
+        return True
+    saved = json.loads((res.outputs["speculate"] / "nemo_spec_config.json").read_text()).get("speculative") or {}
+    # the draft shape is the one gpt_speculate saved: pass it through so the recipe does not re-shape it
+    spec = [f"spec.{k}={'null' if v is None else json.dumps(v).replace(' ', '')}" for k, v in sorted(saved.items())]
+    overrides = [
+        f"model_path={res.outputs['speculate']}", "spec=eagle3", *spec, "data=text",
+        f"data.path={res.outputs['data'] / 'train'}", f"data.max_seq_len={cfg.train_seq_len}",
+        f"run_dir={run_dir}", "resume=auto", f"trainer.max_steps={cfg.train_steps}",
+        f"trainer.train_bs={cfg.train_bs}", f"optim.lr={cfg.train_lr}", f"optim.min_lr={cfg.train_lr / 10}",
+        f"trainer.seed={cfg.seed}",
+    ]
+    _run("train", ["scripts/train_speculative.py", *overrides, *cfg.extra.get("train", [])],
+         res.work_dir / "logs" / "train.log")
+    if not (final / "nemo_spec_config.json").is_file():
+        raise QuickstartError(f"quickstart stage 'train' finished without a final checkpoint at {final}")
+    return False
+
+
+def _stage_export(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
+    out = res.work_dir / "export"
+    res.outputs["export"] = out
+    if out.is_dir() and any(out.iterdir()):
+        return True
+    args = ["scripts/export.py", "--checkpoint", str(res.outputs["train"]), "--export_dir", str(out),
+            "--dtype", "fp32"]
+    _run("export", args + list(cfg.extra.get("export", [])), res.work_dir / "logs" / "export.log")
+    return False
+
+
+def _stage_benchmark(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
+    out = res.work_dir / "benchmark"
+    res.outputs["benchmark"] = out
+    table = out / "table.md"
+    if table.is_file():
+        res.table = table.read_text()
+        return True
+    args = ["scripts/benchmark.py", f"model_path={res.outputs['train']}",
+            f"prompts={res.outputs['data'] / 'prompts.jsonl'}", f"out_dir={out}",
+            f"max_new_tokens={cfg.max_new_tokens}"]
+    _run("benchmark", args + list(cfg.extra.get("benchmark", [])), res.work_dir / "logs" / "benchmark.log")
+    if table.is_file():
+        res.table = table.read_text()
+    return False
+
+
+_STAGE_FUNCS: Dict[str, Callable[[QuickstartConfig, BaseModel, QuickstartResult], bool]] = {
+    "speculate": _stage_speculate, "data": _stage_data, "train": _stage_train, "export": _stage_export,
+    "benchmark": _stage_benchmark,
+}
+
+
+def build_parser():
+    """Command-line interface of scripts/quickstart.py."""
+    import argparse
+
+    d = QuickstartConfig()
+    p = argparse.ArgumentParser(prog="quickstart.py", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=d.preset, help="built-in base preset (tiny, small, base)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--cache_dir", default=None, help="cache root (default $NEMO_SPEC_CACHE or ~/.cache/nemo_spec)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--draft_vocab_size", type=int, default=d.draft_vocab_size, help="EAGLE-3 draft vocabulary")
+    p.add_argument("--train_steps", type=int, default=d.train_steps)
+    p.add_argument("--train_bs", type=int, default=d.train_bs)
+    p.add_argument("--train_seq_len", type=int, default=d.train_seq_len)
+    p.add_argument("--train_lr", type=float, default=d.train_lr)
+    p.add_argument("--num_prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the quickstart from the command line; prints where everything is and the benchmark table."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = QuickstartConfig(preset=args.preset, seed=args.seed, cache_dir=args.cache_dir,
+                           stages=[s.strip() for s in args.stages.split(",") if s.strip()],
+                           draft_vocab_size=args.draft_vocab_size or None, train_steps=args.train_steps,
+                           train_bs=args.train_bs, train_seq_len=args.train_seq_len, train_lr=args.train_lr,
+                           num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+    try:
+        res = run_quickstart(cfg)
+    except (QuickstartError, ConfigError) as e:
+        print(f"quickstart: {e}", file=sys.stderr, flush=True)
+        return 2
+    lines = [f"quickstart outputs ({res.work_dir}):"]
+    for stage, path in res.outputs.items():
+        flag = " [cached]" if stage in res.cached else ""
+        lines.append(f"  {stage:<10} {path}{flag}  ({res.seconds.get(stage, 0):.0f} s)")
+    if res.base is not None:
+        m = res.base.metrics
+        lines.append(f"base model: {res.base.preset}, held-out loss {m['heldout_loss']:.3f} "
+                     f"(perplexity {m['heldout_perplexity']:.1f})")
+    lines.append(f"total: {res.seconds.get('total', 0):.0f} s")
+    if res.table:
+        lines += ["", res.table]
+    print("\n".join(lines), flush=True)
+    return 0
