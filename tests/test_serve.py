@@ -101,6 +101,9 @@ def test_completion_greedy_equals_generate(server, ref, tok):
         assert out.usage.prompt_tokens == len(ids)
         assert out.usage.completion_tokens == expected_usage(res)
         assert out.usage.total_tokens == len(ids) + expected_usage(res)
+    out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0, echo=True)
+    assert out.choices[0].text == PROMPTS[0] + tok.decode(greedy(ref, tok, tok(PROMPTS[0]).input_ids, 20).tokens,
+                                                          skip_special_tokens=True)
     # token-id prompts are accepted as well
     ids = tok(PROMPTS[0]).input_ids
     out = c.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0)

@@ -105,13 +105,16 @@ def test_admin_disabled_without_admin_key(model, tok):
 @pytest.mark.parametrize("method,transform,options", [
     ("prompt_lookup", None, {"num_draft_tokens": 3}),
     ("eagle", "eagle1", {"num_draft_tokens": 3}),
+    ("eagle_tree", "eagle1", {}),
+    ("medusa", "medusa", {}),
 ])
 def test_speculative_serving_batched_matches_greedy(model, tok, method, transform, options):
     from nemo_spec.speculative import SpeculativeTransform
 
     served = clone_model(model)
     if transform:
-        served = SpeculativeTransform(algorithm=transform, num_eagle_layers=1)(served).eval()
+        kw = {"num_eagle_layers": 1} if transform.startswith("eagle") else {"num_medusa_heads": 2}
+        served = SpeculativeTransform(algorithm=transform, **kw)(served).eval()
     ref = clone_model(model)
     prompts = ["the cat sat on a mat and the cat sat on", "we read code , write tests , we read code ,",
                "hello world , this is a tiny", "numbers 1 2 3 4 5 6 1 2 3"]
