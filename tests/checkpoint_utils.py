@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -95,9 +95,10 @@ def language_model_nesting(sd: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_megatron_lm_rank(root: Path, iteration: Optional[int], tp_rank: int, model_sd: Dict[str, Any],
-                           args: argparse.Namespace) -> Path:
-    """Write one TP rank's legacy file at Megatron-LM's path (iteration None -> 'release')."""
-    d = root / ("release" if iteration is None else f"iter_{iteration:07d}") / f"mp_rank_{tp_rank:02d}"
+                           args: argparse.Namespace, pp_rank: Optional[int] = None) -> Path:
+    """Write one rank's legacy file at Megatron-LM's path (iteration None -> 'release'; pp_rank when PP > 1)."""
+    rank_dir = f"mp_rank_{tp_rank:02d}" if pp_rank is None else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    d = root / ("release" if iteration is None else f"iter_{iteration:07d}") / rank_dir
     d.mkdir(parents=True, exist_ok=True)
     f = d / "model_optim_rng.pt"
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0, "model": model_sd,
@@ -105,6 +106,28 @@ def write_megatron_lm_rank(root: Path, iteration: Optional[int], tp_rank: int, m
              "num_floating_point_operations_so_far": 0}
     torch.save(state, f)
     return f
+
+
+def pipeline_stages(sd: Dict[str, Any], bounds: List[Tuple[int, int]], tied: bool) -> List[Dict[str, Any]]:
+    """Split a (TP-rank) state dict into pipeline stages as megatron-core holds them: local layer numbering,
+    embedding on the first stage, final norm + output layer on the last (a copy of the embedding when tied)."""
+    stages: List[Dict[str, Any]] = []
+    for p, (a, b) in enumerate(bounds):
+        st: Dict[str, Any] = {}
+        for k, v in sd.items():
+            m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", k)
+            if m:
+                if a <= int(m.group(1)) < b:
+                    st[f"decoder.layers.{int(m.group(1)) - a}.{m.group(2)}"] = v
+            elif k.startswith("embedding."):
+                if p == 0:
+                    st[k] = v
+            elif p == len(bounds) - 1:
+                st[k] = v
+        if tied and p == len(bounds) - 1 and p > 0:
+            st["output_layer.weight"] = sd["embedding.word_embeddings.weight"].clone()
+        stages.append(st)
+    return stages
 
 
 def write_tracker(root: Path, iteration: Optional[int]) -> None:

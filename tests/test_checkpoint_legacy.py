@@ -9,8 +9,8 @@ from nemo_spec.checkpoint.legacy import args_to_model_config
 from nemo_spec.checkpoint.tp import split_state_dict
 from nemo_spec.config import ConfigError
 from nemo_spec.models import build_gpt, gpt_forward
-from tests.checkpoint_utils import (language_model_nesting, megatron_lm_args, perturb_, reshard_run, tensor_sd,
-                                    write_megatron_lm_rank, write_tracker)
+from tests.checkpoint_utils import (language_model_nesting, megatron_lm_args, perturb_, pipeline_stages, reshard_run,
+                                    tensor_sd, write_megatron_lm_rank, write_tracker)
 from tests.helpers import tiny_gpt2, tiny_llama
 
 TOL = 1e-6
@@ -110,6 +110,29 @@ def test_gpt2_language_model_nesting_tp2_shards(tmp_path):
     assert (_logits(loaded, x) - _logits(model, x)).abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("make,tp,bounds", [(tiny_llama, 2, [(0, 1), (1, 2)]),
+                                             (lambda: tiny_gpt2(num_layers=3), 1, [(0, 2), (2, 3)])])
+def test_pipeline_parallel_stages_are_merged(tmp_path, make, tp, bounds):
+    """mp_rank_XX_YYY files (TP x PP), local layer numbering per stage, tied copy on the last stage."""
+    torch.manual_seed(2)
+    cfg = make()
+    model = perturb_(build_gpt(cfg), seed=9)
+    full = tensor_sd(model)
+    args = megatron_lm_args(cfg, tp=tp, pipeline_model_parallel_size=len(bounds))
+    root = tmp_path / "pp"
+    for t in range(tp):
+        shard = split_state_dict(full, t, tp, gated=cfg.activation == "swiglu")
+        for p, stage in enumerate(pipeline_stages(shard, bounds, tied=cfg.tie_word_embeddings)):
+            write_megatron_lm_rank(root, 4, t, stage, args, pp_rank=p)
+    write_tracker(root, 4)
+    info = read_checkpoint_config(root)
+    assert info["pp_size_saved"] == len(bounds) and info["tp_size_saved"] == tp
+    loaded = load_model(root)
+    _assert_equal_sd(loaded, full)
+    x = torch.randint(0, 96, (2, 6))
+    assert (_logits(loaded, x) - _logits(model, x)).abs().max().item() == 0.0
+
+
 def test_args_mapping():
     cfg = tiny_llama(rope_theta=500000.0)
     got = args_to_model_config(megatron_lm_args(cfg, tp=1), "args")
@@ -189,10 +212,13 @@ def test_broken_layouts(llama_tp1_dir, tmp_path):
     with pytest.raises(CheckpointError, match="tensor_model_parallel_size=2 but .* has 1 mp_rank_XX"):
         load_model(root)
     _rewrite_args(root, tensor_model_parallel_size=1)
-    # pipeline-parallel naming
+    # pipeline stages present but args say otherwise, then expert-parallel naming
     it = root / "iter_0000100"
-    shutil.move(it / "mp_rank_00", it / "mp_rank_00_000")
-    with pytest.raises(CheckpointError, match="pipeline/expert-parallel"):
+    _rewrite_args(root, pipeline_model_parallel_size=2)
+    with pytest.raises(CheckpointError, match="pipeline_model_parallel_size=2 but .* 1 pipeline stage"):
+        load_model(root)
+    shutil.move(it / "mp_rank_00", it / "mp_rank_00_000_001")
+    with pytest.raises(CheckpointError, match="expert-parallel checkpoints"):
         load_model(root)
 
 

@@ -5,13 +5,16 @@ Layout written by Megatron-LM's ``megatron/training/checkpointing.py``::
     <root>/latest_checkpointed_iteration.txt      # "<iteration>" or "release"
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt   # legacy ("torch") format, one file per TP rank
     <root>/iter_0000100/mp_rank_01/model_optim_rng.pt
+    <root>/iter_0000100/mp_rank_00_001/model_optim_rng.pt   # with pipeline parallelism: mp_rank_<tp>_<pp>
     <root>/release/...                                  # when the tracker says "release"
     <root>/iter_0000100/{common.pt,metadata.json,*.distcp}  # torch_dist format (args inside common.pt)
 
 Each legacy file is a dict with ``args`` (argparse.Namespace of Megatron-LM arguments), ``checkpoint_version``,
 ``iteration`` and ``model`` (a megatron-core GPTModel state dict, or, for pre-mcore Megatron-LM, the nested
 ``language_model`` dict of embedding/encoder/output_layer). Both are mapped onto our GPTModel's names, including
-Transformer-Engine fused-norm names (``linear_qkv.layer_norm_weight``). The files hold a pickled Namespace, so they
+Transformer-Engine fused-norm names (``linear_qkv.layer_norm_weight``). Pipeline stages (local layer numbering)
+are concatenated, TP shards merged and re-split for the current TP size (:mod:`nemo_spec.checkpoint.tp`).
+Not supported (clear error): expert parallelism / MoE, virtual pipeline stages, checkpoint_version < 2.0 QKV order. The files hold a pickled Namespace, so they
 are read with ``torch.load(weights_only=False)``: load only checkpoints you trust.
 """
 from __future__ import annotations
@@ -54,7 +57,12 @@ class MegatronLMDir:
     iter_dir: Path
     iteration: Optional[int]  # None for "release"
     tracker: Optional[Path] = None
-    rank_files: List[Path] = field(default_factory=list)  # legacy: mp_rank_XX/model_optim_rng.pt by TP rank
+    rank_files: List[List[Path]] = field(default_factory=list)  # legacy: [tp rank][pipeline stage] -> file
+
+    @property
+    def first_file(self) -> Path:
+        """The TP-rank-0, first-stage file (holds the args)."""
+        return self.rank_files[0][0]
 
 
 def read_tracker(tracker: Path) -> Tuple[Optional[int], bool]:
@@ -125,16 +133,22 @@ def locate(p: Path) -> MegatronLMDir:
     lay = MegatronLMDir(kind=kind, iter_dir=it_dir, iteration=iteration, tracker=tracker)
     if kind == "megatron_legacy":
         names = sorted(x.name for x in it_dir.iterdir() if x.is_dir() and _MP_RE.match(x.name))
-        if any(_MP_RE.match(n).group(2) for n in names):
-            raise CheckpointError(f"{it_dir}: pipeline/expert-parallel checkpoints ({names[:4]}) are not supported; "
-                                  f"convert to pipeline_model_parallel_size=1 first")
-        ranks = sorted(int(_MP_RE.match(n).group(1)) for n in names)
-        if ranks != list(range(len(ranks))):
-            raise CheckpointError(f"{it_dir}: tensor-parallel rank directories are not contiguous: {names}")
-        lay.rank_files = [it_dir / f"mp_rank_{r:02d}" / MODEL_FILE for r in ranks]
-        for f in lay.rank_files:
-            if not f.is_file():
-                raise CheckpointError(f"{f} is missing")
+        matches = [_MP_RE.match(n) for n in names]
+        if any(m.group(3) for m in matches):
+            raise CheckpointError(f"{it_dir}: expert-parallel checkpoints ({names[:4]}) are not supported")
+        piped = {bool(m.group(2)) for m in matches}
+        if len(piped) > 1:
+            raise CheckpointError(f"{it_dir}: mixes mp_rank_XX and mp_rank_XX_YYY directories: {names[:6]}")
+        tps = sorted({int(m.group(1)) for m in matches})
+        pps = sorted({int(m.group(2)[1:]) for m in matches}) if piped == {True} else [None]
+        if tps != list(range(len(tps))) or (pps != [None] and pps != list(range(len(pps)))):
+            raise CheckpointError(f"{it_dir}: tensor/pipeline rank directories are not contiguous: {names}")
+        lay.rank_files = [[it_dir / (f"mp_rank_{t:02d}" if p is None else f"mp_rank_{t:02d}_{p:03d}") / MODEL_FILE
+                           for p in pps] for t in tps]
+        for files in lay.rank_files:
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{f} is missing")
     return lay
 
 
@@ -189,10 +203,6 @@ def args_to_model_config(args: Any, source: str) -> ModelConfig:
         raise unsupported("interleaved RoPE", "rotary_interleaved")
     if float(_arg(args, "rotary_percent", 1.0)) != 1.0:
         raise unsupported("partial RoPE", "rotary_percent")
-    pp = int(_arg(args, "pipeline_model_parallel_size", 1))
-    if pp > 1:
-        raise unsupported("pipeline-parallel checkpoint (convert to pipeline_model_parallel_size=1)",
-                          "pipeline_model_parallel_size")
     pos = getattr(args, "position_embedding_type", None)
     if pos is None:
         pos = "rope" if getattr(args, "use_rotary_position_embeddings", False) else (
@@ -254,7 +264,7 @@ def _saved_tp(args: Any) -> int:
 
 def _read_header(lay: MegatronLMDir) -> Tuple[Dict[str, Any], Path]:
     """The first file's (or common.pt's) top-level dict and its path."""
-    f = lay.rank_files[0] if lay.kind == "megatron_legacy" else lay.iter_dir / "common.pt"
+    f = lay.first_file if lay.kind == "megatron_legacy" else lay.iter_dir / "common.pt"
     obj = _torch_load(f, mmap=lay.kind == "megatron_legacy")
     if not isinstance(obj, dict):
         raise CheckpointError(f"{f}: expected a dict, got {type(obj).__name__}")
@@ -268,14 +278,23 @@ def read_config(p: Path) -> Dict[str, Any]:
     args = head.get("args")
     cfg = args_to_model_config(args, str(f))
     tp_saved = _saved_tp(args)
-    if lay.kind == "megatron_legacy" and tp_saved != len(lay.rank_files):
-        raise CheckpointError(f"{f}: args.tensor_model_parallel_size={tp_saved} but {lay.iter_dir} has "
-                              f"{len(lay.rank_files)} mp_rank_XX directories")
+    pp_saved = int(_arg(args, "pipeline_model_parallel_size", 1))
+    if lay.kind == "megatron_legacy":
+        if tp_saved != len(lay.rank_files):
+            raise CheckpointError(f"{f}: args.tensor_model_parallel_size={tp_saved} but {lay.iter_dir} has "
+                                  f"{len(lay.rank_files)} mp_rank_XX directories")
+        if pp_saved != len(lay.rank_files[0]):
+            raise CheckpointError(f"{f}: args.pipeline_model_parallel_size={pp_saved} but {lay.iter_dir} has "
+                                  f"{len(lay.rank_files[0])} pipeline stage(s) per TP rank")
+    elif pp_saved > 1:
+        log.info("%s: torch_dist checkpoint saved with pipeline_model_parallel_size=%d (global keys, no merge needed)",
+                 f, pp_saved)
     dtype = getattr(args, "params_dtype", None)
     return {
         "format": lay.kind,
         "model": cfg.to_dict(),
         "tp_size_saved": tp_saved,
+        "pp_size_saved": pp_saved,
         "iteration": head.get("iteration", lay.iteration),
         "checkpoint_version": head.get("checkpoint_version"),
         "params_dtype": str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else None,
@@ -356,6 +375,8 @@ def to_mcore_state_dict(model_sd: Dict[str, Any], checkpoint_version: Optional[f
     for k, v in flat.items():
         if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
             continue
+        if k.startswith("word_embeddings_for_head."):
+            continue  # pre-mcore last pipeline stage's copy of the tied word embeddings
         if legacy:
             k = _legacy_name(k, source)
         for pat, rep in _TE_RENAMES:
@@ -405,23 +426,46 @@ def _check_against_model(own: Dict[str, torch.Tensor], shards: List[Dict[str, to
                                   f"{want} in the model built from its args")
 
 
+_LAYER_IDX_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _tp_rank_state_dict(stage_files: List[Path], version: Any, tied: bool) -> Dict[str, torch.Tensor]:
+    """One TP rank's tensors in our names, pipeline stages concatenated (local layer indices offset)."""
+    out: Dict[str, torch.Tensor] = {}
+    offset = 0
+    last = len(stage_files) - 1
+    for stage, f in enumerate(stage_files):
+        head = _torch_load(f)
+        sd = to_mcore_state_dict(_model_entry(head, f), head.get("checkpoint_version", version), str(f))
+        idx = sorted({int(m.group(1)) for m in map(_LAYER_IDX_RE.match, sd) if m})
+        if idx != list(range(len(idx))):
+            raise CheckpointError(f"{f}: layer indices {idx} are not 0..n-1 (virtual pipeline layouts are not "
+                                  f"supported)")
+        for k, v in sd.items():
+            if tied and stage == last and last > 0 and k == "output_layer.weight":
+                continue  # the last stage's copy of the tied word embeddings
+            m = _LAYER_IDX_RE.match(k)
+            if m and offset:
+                k = f"decoder.layers.{int(m.group(1)) + offset}.{k[m.end():]}"
+            if k in out:
+                raise CheckpointError(f"{f}: tensor {k!r} also appears in an earlier pipeline stage")
+            out[k] = v
+        offset += len(idx)
+    return out
+
+
 def _load_legacy_weights(model: torch.nn.Module, lay: MegatronLMDir, cfg: ModelConfig, version: Any) -> None:
     gated = cfg.activation == "swiglu"
+    tied = cfg.tie_word_embeddings
     own = {k: v for k, v in model.state_dict().items() if tp_rules.is_tensor_entry(k, v)}
     tp_now, rank = parallel.tp_size(), parallel.tp_rank()
     files = lay.rank_files
-    if len(files) == tp_now:  # same TP: every rank reads only its own file
-        head = _torch_load(files[rank])
-        local = to_mcore_state_dict(_model_entry(head, files[rank]), head.get("checkpoint_version", version),
-                                    str(files[rank]))
-        _check_against_model({k: v for k, v in own.items()}, [local], gated=False, files=[files[rank]], tp_now=1)
-        shard = local
+    if len(files) == tp_now:  # same TP: every rank reads only its own file(s)
+        shard = _tp_rank_state_dict(files[rank], version, tied)
+        _check_against_model(own, [shard], gated=False, files=[files[rank][0]], tp_now=1)
     else:
-        shards = []
-        for f in files:
-            head = _torch_load(f)
-            shards.append(to_mcore_state_dict(_model_entry(head, f), head.get("checkpoint_version", version), str(f)))
-        _check_against_model(own, shards, gated, files, tp_now)
+        shards = [_tp_rank_state_dict(stage_files, version, tied) for stage_files in files]
+        _check_against_model(own, shards, gated, [fs[0] for fs in files], tp_now)
         full = tp_rules.merge_state_dicts(shards, gated)
         del shards
         shard = tp_rules.split_state_dict(full, rank, tp_now, gated)
