@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -31,20 +31,39 @@ def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth:
 class AcceptanceLengthCallback(pl.Callback):
     """After each validation, run greedy chain speculative generation on held-out prompts and log ``val_tau``."""
 
-    def __init__(self, prompts_fn: Callable[[], List[List[int]]], depth: int = 4, max_new_tokens: int = 24) -> None:
+    def __init__(self, prompts_fn: Callable[[], List[List[int]]], depth: int = 4, max_new_tokens: int = 24,
+                 measure_at_start: bool = True) -> None:
         self.prompts_fn = prompts_fn
         self.depth = depth
         self.max_new_tokens = max_new_tokens
-        self.history: List[float] = []
+        self.measure_at_start = measure_at_start
+        self.history: List[Tuple[int, float]] = []  # (global step, tau)
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not getattr(pl_module, "is_speculative", False):
-            return
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[float]:
+        if not getattr(pl_module, "is_speculative", False):
+            return None
         prompts = self.prompts_fn()
         if not prompts:
-            return
+            return None
         tau = measure_tau(pl_module.model, prompts, self.depth, self.max_new_tokens)
-        self.history.append(tau)
+        self.history.append((int(trainer.global_step), tau))
+        return tau
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Baseline tau of the draft before (further) training; written to the loggers directly."""
+        if not self.measure_at_start or trainer.global_step > 0:
+            return
+        tau = self._measure(trainer, pl_module)
+        if tau is not None:
+            for lg in trainer.loggers:
+                lg.log_metrics({"val_tau": tau}, step=trainer.global_step)
+            log.info("untrained draft: acceptance length tau=%.3f", tau)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        tau = self._measure(trainer, pl_module)
+        if tau is None:
+            return
         pl_module.log("val_tau", torch.tensor(tau), prog_bar=True, batch_size=1)
-        log.info("step %d: acceptance length tau=%.3f (depth %d, %d prompts)", trainer.global_step, tau,
-                 self.depth, len(prompts))
+        log.info("step %d: acceptance length tau=%.3f (chain depth %d)", trainer.global_step, tau, self.depth)

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from nemo_spec.config import ModelConfig
-from nemo_spec.models.gpt import GPTOutput, gpt_forward
+from nemo_spec.models.gpt import gpt_forward
 from nemo_spec.training.config import LossConfig, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -147,9 +147,10 @@ class SpeculativeLightningModule(pl.LightningModule):
         if not self.is_speculative:
             return lm_loss(self.model, ids, mask)
         base_out = None
-        if "base_hidden" in batch:  # offline mode: precomputed base outputs
-            aux = list(batch["base_aux"].unbind(2)) if "base_aux" in batch else []
-            base_out = GPTOutput(logits=batch["base_logits"].float(), hidden=batch["base_hidden"], aux_hidden=aux)
+        if "base_hidden" in batch:  # offline mode: stored base states, targets through the frozen head
+            from nemo_spec.training.offline import base_output_from_batch
+
+            base_out = base_output_from_batch(self.model, batch)
         return self.model.training_losses(ids, mask.bool(), base_out=base_out, decay=self.loss_cfg.decay,
                                           eagle1_ce_weight=self.loss_cfg.eagle1_ce_weight)
 
@@ -212,13 +213,21 @@ class SpeculativeLightningModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("data_position")
 
+    def on_train_start(self) -> None:
+        """Mid-epoch resume: Lightning does not call on_train_epoch_start for the restarted epoch."""
+        self._apply_resume_position()
+
     def on_train_epoch_start(self) -> None:
+        if not self._apply_resume_position():
+            self._consumed_in_epoch = 0
+
+    def _apply_resume_position(self) -> bool:
         pos, self._resume_position = self._resume_position, None
         dm = getattr(self.trainer, "datamodule", None)
         sampler = getattr(dm, "train_sampler", None)
-        if pos is not None and pos["epoch"] == self.current_epoch and sampler is not None:
-            sampler.skip_samples(pos["consumed_in_epoch"])
-            self._consumed_in_epoch = pos["consumed_in_epoch"]
-            log.info("resuming epoch %d after %d consumed samples", self.current_epoch, self._consumed_in_epoch)
-        else:
-            self._consumed_in_epoch = 0
+        if pos is None or pos["epoch"] != self.current_epoch or sampler is None:
+            return False
+        sampler.skip_samples(pos["consumed_in_epoch"])
+        self._consumed_in_epoch = pos["consumed_in_epoch"]
+        log.info("resuming epoch %d after %d consumed samples", self.current_epoch, self._consumed_in_epoch)
+        return True

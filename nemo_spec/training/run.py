@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +31,7 @@ class TrainResult:
     trainer: pl.Trainer
     run_dir: Path
     final_checkpoint: Optional[Path] = None
-    tau_history: List[float] = field(default_factory=list)
+    tau_history: List[Tuple[int, float]] = field(default_factory=list)  # (step, tau), first = untrained
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -90,8 +91,10 @@ def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: L
 def token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
     """Token frequencies [V] of a tokenised dataset (for the EAGLE-3 draft vocabulary)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in dataset.samples:
-        counts += torch.bincount(s.input_ids.clamp(max=vocab_size - 1), minlength=vocab_size)
+    samples = dataset.samples if hasattr(dataset, "samples") else (dataset[i] for i in range(len(dataset)))
+    for s in samples:
+        ids = s.input_ids if hasattr(s, "input_ids") else s["input_ids"]
+        counts += torch.bincount(ids.clamp(max=vocab_size - 1), minlength=vocab_size)
     return counts
 
 
@@ -124,6 +127,9 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     ckpt_dir = run_dir / "checkpoints"
     save_resolved_config(cfg, run_dir, yaml_text)
     dp = planned_dp_size(t.tensor_parallel_size)
+    from nemo_spec import parallel
+
+    parallel.initialize(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed)  # the strategy reuses it
     accumulate = t.accumulation(dp)
     pl.seed_everything(t.seed, workers=True, verbose=False)
 
@@ -140,27 +146,41 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
         tokenizer = load_tokenizer(tok_path)
     elif cfg.tokenizer_path:
         tok_dir = cfg.tokenizer_path
+    need_precompute = cfg.offline and not (Path(cfg.data.offline_dir) / "index.json").exists()
+    if need_precompute and not (cfg.data.path or records):
+        raise ConfigError(f"offline=true: {cfg.data.offline_dir}/index.json does not exist and data.path is not set "
+                          "to precompute it from")
+    online_dm = None
     if datamodule is None:
+        if not cfg.offline or need_precompute:
+            online_dm = SpecDataModule(cfg.data, tokenizer, micro_batch_size=t.train_bs, records=records)
         if cfg.offline:
             from nemo_spec.training.offline import OfflineDataModule
 
+            pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
             datamodule = OfflineDataModule(cfg.data.offline_dir, t.train_bs, seed=cfg.data.seed,
-                                           val_fraction=cfg.data.val_fraction)
+                                           val_fraction=cfg.data.val_fraction, val_max_samples=cfg.data.val_max_samples,
+                                           pad_id=pad or 0)
         else:
-            datamodule = SpecDataModule(cfg.data, tokenizer, micro_batch_size=t.train_bs, records=records)
+            datamodule = online_dm
 
     # The transform is built here and applied inside configure_model (before the optimizer).
     transform = None if cfg.train_base else SpeculativeTransform(config=cfg.spec)
     counts = None
-    if (transform is not None and cfg.spec.algorithm == "eagle3" and cfg.spec.draft_vocab_size is not None
-            and not cfg.offline):
-        datamodule.setup()
-        train_set = datamodule.train_set
+    if transform is not None and cfg.spec.algorithm == "eagle3" and cfg.spec.draft_vocab_size is not None:
+        (online_dm or datamodule).setup()
+        train_set = (online_dm or datamodule).train_set
         counts = lambda vocab_size: token_counts(train_set, vocab_size)  # noqa: E731
     module = SpeculativeLightningModule(model_path=cfg.model_path if model_factory is None else None,
                                         model_factory=model_factory, model_transform=transform, optim=cfg.optim,
                                         loss=cfg.loss, max_steps=t.max_steps, draft_vocab_counts=counts, seed=t.seed)
     module.samples_per_batch = t.train_bs * dp
+    if need_precompute:
+        from nemo_spec.training.offline import precompute
+
+        online_dm.setup()
+        module.configure_model()
+        precompute(module.model, online_dm.train_set.samples + online_dm.val_set.samples, cfg.data.offline_dir)
     callbacks: List[pl.Callback] = []
     tau_cb = None
     if t.acceptance_prompts > 0 and hasattr(datamodule, "val_prompts") and transform is not None:
@@ -171,7 +191,10 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     resume = resolve_resume(cfg, ckpt_dir)
     log.info("training: dp=%d tp=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
              dp, t.tensor_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    with warnings.catch_warnings():
+        # The data position is restored by SpeculativeLightningModule (sampler skip), not by Lightning.
+        warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     final = None
     if save_final:
         from nemo_spec.checkpoint import save_checkpoint

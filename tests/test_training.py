@@ -1,0 +1,248 @@
+"""Training: model_transform before the optimizer, each algorithm learns (loss falls, tau rises), exact resume,
+global batch via accumulation, schedule, checkpoints, offline mode, Hydra config, script end to end."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from nemo_spec.config import ConfigError
+from nemo_spec.data import DataConfig, SpecDataModule, write_daring_anteater
+from nemo_spec.models import build_gpt
+from nemo_spec.speculative import SpeculativeTransform
+from nemo_spec.training import (OptimConfig, SpeculativeLightningModule, TrainCheckpointError, TrainerConfig,
+                                build_trainer, train, train_config_from_dict, warmup_cosine)
+from nemo_spec.training.callbacks import measure_tau
+from tests.helpers import ROOT, tiny_llama
+from tests.train_utils import small_train_config, synthetic_chats, tiny_tokenizer, train_tiny_base
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny Llama LM trained on the synthetic chats (checkpoint dir with tokenizer/), and the data file."""
+    d = tmp_path_factory.mktemp("base")
+    path = train_tiny_base(d, steps=40)
+    data = write_daring_anteater(synthetic_chats(120, seed=2), d / "train.jsonl")
+    return path, data
+
+
+def _metric(run_dir, name):
+    rows = list(csv.DictReader(open(Path(run_dir) / "csv" / "metrics.csv")))
+    return [float(r[name]) for r in rows if r.get(name)]
+
+
+def _draft_state(module):
+    return {k: v.detach().clone() for k, v in module.trainable_state_dict().items()}
+
+
+# ---- pure pieces ------------------------------------------------------------------------------------------------
+def test_warmup_cosine_schedule():
+    assert warmup_cosine(0, 4, 20, 1.0, 0.1) == pytest.approx(0.25)
+    assert warmup_cosine(3, 4, 20, 1.0, 0.1) == pytest.approx(1.0)
+    assert warmup_cosine(12, 4, 20, 1.0, 0.1) == pytest.approx(0.55)
+    assert warmup_cosine(20, 4, 20, 1.0, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(50, 4, 20, 1.0, 0.1) == pytest.approx(0.1)
+
+
+def test_global_batch_constant_through_accumulation():
+    t = TrainerConfig(train_bs=2, global_batch_size=8)
+    assert [t.accumulation(dp) for dp in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(ConfigError, match="global_batch_size=8 is not a multiple of train_bs \\(2\\) x data-parallel size \\(3\\)"):
+        t.accumulation(3)
+
+
+def test_typed_config_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match=r"train\.trainer: unknown field\(s\) \['train_batch'\]"):
+        train_config_from_dict({"trainer": {"train_batch": 3}})
+    cfg = train_config_from_dict({"model_path": "m", "spec": {"algorithm": "medusa"}, "data": {"path": "d"}})
+    assert cfg.spec.algorithm == "medusa" and cfg.data.path == "d"
+    with pytest.raises(ConfigError, match="unknown speculative algorithm 'eagle9'"):
+        train_config_from_dict({"spec": {"algorithm": "eagle9"}, "data": {"path": "d"}}).validate()
+
+
+# ---- model_transform inside configure_model ---------------------------------------------------------------------
+def test_model_transform_applied_before_optimizer(tmp_path):
+    tok = tiny_tokenizer()
+    module = SpeculativeLightningModule(model_config=tiny_llama(vocab_size=128),
+                                        model_transform=SpeculativeTransform(algorithm="eagle3", ttt_steps=2),
+                                        optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=3)
+    dm = SpecDataModule(DataConfig(path="mem", max_seq_len=32, val_fraction=0.0), tok, micro_batch_size=2,
+                        records=synthetic_chats(16))
+    module.configure_model()  # what the Trainer calls first; snapshot the weights it will start from
+    base0 = {n: p.detach().clone() for n, p in module.model.gpt.named_parameters()}
+    draft0 = {n: p.detach().clone() for n, p in module.model.draft.named_parameters()}
+    assert draft0 and all(not p.requires_grad for p in module.model.gpt.parameters())
+    trainer = build_trainer(TrainerConfig(max_steps=3, train_bs=2, val_check_interval=0, progress_bar=False),
+                            tmp_path, 1, [], loggers=False)
+    trainer.fit(module, datamodule=dm)
+    opt_params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in module.model.draft.parameters()}
+    changed = [n for n, p in module.model.draft.named_parameters() if not torch.equal(p, draft0[n])]
+    assert sorted(changed) == sorted(draft0), f"draft parameters not trained: {sorted(set(draft0) - set(changed))}"
+    for n, p in module.model.gpt.named_parameters():
+        assert torch.equal(p, base0[n]), f"base parameter {n} changed"
+
+
+# ---- each algorithm learns ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle1", "medusa"])
+def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):
+    model_path, data = base
+    cfg = small_train_config(tmp_path / algorithm, algorithm, steps=24, val_check_interval=24,
+                             acceptance_prompts=3 if algorithm != "medusa" else 0, acceptance_depth=3,
+                             acceptance_new_tokens=12)
+    cfg.model_path, cfg.data.path, cfg.optim.lr = str(model_path), str(data), 1e-2
+    if algorithm == "eagle3":
+        cfg.spec.draft_vocab_size = 64
+    res = train(cfg, save_final=algorithm == "eagle3")
+    losses = _metric(cfg.run_dir, "train_loss")
+    assert len(losses) == 24 and all(map(lambda x: x == x, losses))
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    # EAGLE-3's soft cross-entropy includes the base's own entropy (irreducible), so it falls relatively less
+    assert last < (0.92 if algorithm == "eagle3" else 0.8) * first, (algorithm, losses)
+    assert _metric(cfg.run_dir, "train_acc_step0") and _metric(cfg.run_dir, "val_loss")
+    assert (Path(cfg.run_dir) / "config.json").exists() and list((Path(cfg.run_dir) / "tb").glob("events.*"))
+    if algorithm != "medusa":
+        (s0, tau0), (s1, tau1) = res.tau_history[0], res.tau_history[-1]
+        assert s0 == 0 and s1 == 24 and tau1 > tau0 + 0.1, res.tau_history
+        assert _metric(cfg.run_dir, "val_tau")[-1] == pytest.approx(tau1)
+    if algorithm == "eagle3":  # the final Megatron checkpoint restores the trained draft exactly
+        from nemo_spec.checkpoint import load_model
+
+        loaded = load_model(res.final_checkpoint)
+        assert loaded.algorithm == "eagle3" and loaded.draft_vocab_size == 64
+        got = loaded.draft.state_dict()
+        for k, v in res.module.model.draft.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), k
+        assert torch.equal(loaded.d2t, res.module.model.d2t) and bool(loaded.d2t.any())
+
+
+# ---- exact resume ---------------------------------------------------------------------------------------------------
+class _StopAt(pl.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_resume_is_exact(base, tmp_path, monkeypatch):
+    model_path, data = base
+
+    def cfg_for(run):
+        c = small_train_config(tmp_path / run, "eagle3", steps=6, ckpt_every_n_steps=3, global_batch_size=4)
+        c.trainer.train_bs = 2  # 2 micro-batches accumulated per step
+        c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
+        return c
+
+    full = train(cfg_for("full"), save_final=False)
+    # interrupted run: stop after step 3 (a checkpoint), then a fresh process-like run resumes from `last`
+    import nemo_spec.training.run as run_mod
+
+    orig = run_mod.build_trainer
+    monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: _with_stop(orig(*a, **k), 3))
+    part = train(cfg_for("split"), save_final=False)
+    assert part.trainer.global_step == 3
+    monkeypatch.setattr(run_mod, "build_trainer", orig)
+    last = tmp_path / "split" / "checkpoints" / "last"
+    assert last.is_symlink() and os.readlink(last) == "step0000003"
+    meta = json.loads((last / "meta.json").read_text())
+    assert meta["global_step"] == 3 and meta["tensor_parallel_size"] == 1
+    resumed = train(cfg_for("split"), save_final=False)
+    assert resumed.trainer.global_step == 6
+    a, b = _draft_state(full.module), _draft_state(resumed.module)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5), (k, (a[k] - b[k]).abs().max())
+    pre = _draft_state(part.module)
+    assert any(not torch.allclose(pre[k], b[k]) for k in b)  # training really continued
+    full_losses = _metric(tmp_path / "full", "train_loss")
+    split_losses = _metric(tmp_path / "split", "train_loss")
+    assert split_losses[-3:] == pytest.approx(full_losses[-3:], rel=1e-5)
+
+
+def _with_stop(trainer, step):
+    trainer.callbacks.append(_StopAt(step))
+    return trainer
+
+
+def test_checkpoint_tp_mismatch_is_clear(tmp_path):
+    from nemo_spec.training.strategy import CKPT_FORMAT, MegatronStrategy
+
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"format": CKPT_FORMAT, "tensor_parallel_size": 2}))
+    with pytest.raises(TrainCheckpointError, match="saved with tensor_parallel_size=2, this run uses 1"):
+        MegatronStrategy().load_checkpoint(d)
+    with pytest.raises(TrainCheckpointError, match="not a training checkpoint"):
+        MegatronStrategy().load_checkpoint(tmp_path)
+
+
+# ---- offline mode ---------------------------------------------------------------------------------------------------
+def test_offline_precompute_matches_online_and_trains(base, tmp_path):
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.data import load_tokenizer
+    from nemo_spec.training.offline import OfflineDataModule, base_output_from_batch, precompute, read_index
+
+    model_path, data = base
+    model = SpeculativeTransform(algorithm="eagle3", ttt_steps=2)(load_model(model_path))
+    tok = load_tokenizer(Path(model_path) / "tokenizer")
+    dm = SpecDataModule(DataConfig(path=str(data), max_seq_len=48, val_fraction=0.0), tok, micro_batch_size=3)
+    dm.setup()
+    out = precompute(model, dm.train_set.samples[:10], tmp_path / "off", shard_size=4)
+    index = read_index(out)
+    assert index["num_samples"] == 10 and len(index["shards"]) == 3 and index["aux_layers"] == model.aux_layers
+    off = OfflineDataModule(str(out), micro_batch_size=3, val_fraction=0.0)
+    off.setup()
+    batch = next(iter(off.train_dataloader()))
+    online = model.training_losses(batch["input_ids"], batch["loss_mask"].bool())
+    offline = model.training_losses(batch["input_ids"], batch["loss_mask"].bool(),
+                                    base_out=base_output_from_batch(model, batch))
+    assert torch.allclose(online["loss"], offline["loss"], atol=1e-5), (online["loss"], offline["loss"])
+    # the recipe: offline=true precomputes when needed, then trains from the shards
+    cfg = small_train_config(tmp_path / "run", "eagle3", steps=12)
+    cfg.model_path, cfg.data.path, cfg.offline, cfg.data.offline_dir = str(model_path), str(data), True, \
+        str(tmp_path / "off2")
+    train(cfg, save_final=False)
+    losses = _metric(cfg.run_dir, "train_loss")
+    assert read_index(tmp_path / "off2")["num_samples"] == 120 and losses[-1] < losses[0]
+
+
+# ---- Hydra + script -------------------------------------------------------------------------------------------------
+def test_hydra_compose_maps_onto_typed_config():
+    from nemo_spec.training.cli import compose, typed_config
+
+    tc, text = typed_config(compose(["model_path=/m", "spec=medusa", "data=sharegpt", "data.path=/d",
+                                     "trainer.train_bs=3", "spec.num_medusa_heads=2"]))
+    assert tc.spec.algorithm == "medusa" and tc.spec.num_medusa_heads == 2 and tc.data.format == "sharegpt"
+    assert tc.trainer.train_bs == 3 and tc.trainer.accelerator == "cpu" and tc.run_dir == "runs/medusa"
+    assert "num_medusa_heads: 2" in text
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="Could not override 'trainer.batch'"):
+        compose(["model_path=/m", "data.path=/d", "trainer.batch=3"])
+    with pytest.raises(ConfigError, match="missing required setting: model_path"):
+        typed_config(compose(["data.path=/d"]))
+
+
+def test_script_end_to_end(base, tmp_path):
+    model_path, data = base
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_speculative.py"), f"model_path={model_path}",
+           "spec=eagle1", "data=daring_anteater", f"data.path={data}", f"run_dir={tmp_path / 'run'}",
+           "trainer.max_steps=3", "trainer.val_check_interval=0", "trainer.ckpt_every_n_steps=3",
+           "trainer.progress_bar=false", "data.max_seq_len=32"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "algorithm: eagle1" in p.stdout and "trained 3 steps" in p.stdout
+    run = tmp_path / "run"
+    assert "algorithm: eagle1" in (run / "config.yaml").read_text()
+    assert (run / "checkpoints" / "last" / "model_tp0.pt").exists() and (run / "final" / "nemo_spec_config.json").exists()
+    bad = subprocess.run(cmd + ["trainer.nope=1"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert bad.returncode != 0 and "Could not override 'trainer.nope'" in bad.stderr
