@@ -168,7 +168,9 @@ def test_import_back_gives_identical_draft_logits(exported, alg):
 
 def test_medusa_two_layers_round_trip_through_vllm_layout(tmp_path):
     model = make_model("medusa", seed=2, num_medusa_layers=2).eval()
-    exp = export_model(model, tmp_path / "exp", dtype="fp32", include_base=False, base_name="my/base")
+    holder = torch.nn.Module()  # e.g. a LightningModule holding the transformed model as .model
+    holder.model = model
+    exp = export_model(holder, tmp_path / "exp", dtype="fp32", include_base=False, base_name="my/base")
     assert json.loads((exp / "draft" / "config.json").read_text())["base_model_name_or_path"] == "my/base"
     fresh = make_model("medusa", seed=9, num_medusa_layers=2).eval()
     fresh.gpt.load_state_dict(model.gpt.state_dict())
@@ -220,6 +222,9 @@ def test_errors_before_work(tmp_path):
     with pytest.raises(ExportError, match="not empty.*overwrite"):
         export_model(make_model("medusa"), tmp_path / "full")
     assert (tmp_path / "full" / "keep.txt").read_text() == "x"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ExportError, match="not a directory"):
+        export_model(make_model("medusa"), tmp_path / "afile")
     # an untransformed model exports its base only with format auto
     exp = export_model(plain, tmp_path / "base_only")
     assert (exp / "base" / "config.json").is_file() and not (exp / "draft").exists()
