@@ -50,6 +50,12 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
         k = spec.get("ttt_steps") or 3
         lines += ["## vLLM", "", "```bash", _vllm(base, "eagle3", draft, k), "```", "",
                   "## SGLang", "", "```bash", _sglang(base, "EAGLE3", draft), "```", "",
+                  "## TensorRT-LLM (PyTorch LLM API)", "", "```python",
+                  "from tensorrt_llm import LLM",
+                  "from tensorrt_llm.llmapi import EagleDecodingConfig",
+                  f"spec = EagleDecodingConfig(max_draft_len={k}, speculative_model_dir='{draft}', "
+                  "eagle3_one_model=False)",
+                  f"llm = LLM(model='{base}', speculative_config=spec)", "```", "",
                   "## EAGLE reference code", "", "```python", "from eagle.model.ea_model import EaModel",
                   f"m = EaModel.from_pretrained(base_model_path='{base}', ea_model_path='{draft}', use_eagle3=True)",
                   "```", ""]
@@ -62,7 +68,8 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
                   "reference code use it.", "",
                   "## SGLang", "", "```bash", _sglang(base, "EAGLE", draft), "```", "",
                   "## EAGLE reference code", "", "```python", "from eagle.model.ea_model import EaModel",
-                  f"m = EaModel.from_pretrained(base_model_path='{base}', ea_model_path='{draft}')", "```", ""]
+                  f"m = EaModel.from_pretrained(base_model_path='{base}', ea_model_path='{draft}', use_eagle3=False)",
+                  "```", ""]
     elif fmt == "medusa":
         k = spec.get("num_medusa_heads") or 3
         lines += ["## vLLM", "", "```bash", _vllm(base, "medusa", root / "draft_vllm", k), "```", "",
