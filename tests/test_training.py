@@ -246,3 +246,24 @@ def test_script_end_to_end(base, tmp_path):
     assert (run / "checkpoints" / "last" / "model_tp0.pt").exists() and (run / "final" / "nemo_spec_config.json").exists()
     bad = subprocess.run(cmd + ["trainer.nope=1"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode != 0 and "Could not override 'trainer.nope'" in bad.stderr
+
+
+# ---- torchrun: TP=2 and DP=2 --------------------------------------------------------------------------------------
+def test_torchrun_tp2_and_dp2_training(base, tmp_path):
+    """TP=2 trains/checkpoints/resumes; DP=2 (micro 2 per rank) equals 1 process accumulating 2 micro-batches."""
+    from tests.helpers import run_torchrun
+
+    model_path, data = base
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "train_tp_dp.py", [model_path, data, tmp_path], timeout=900)
+    assert "TRAIN_TP2_OK" in out
+    from nemo_spec.checkpoint import read_checkpoint_config
+
+    assert read_checkpoint_config(tmp_path / "tp2" / "final")["tp_size_saved"] == 2
+    dp2 = torch.load(tmp_path / "dp2_state.pt")
+    c = small_train_config(tmp_path / "single", "eagle3", steps=3, global_batch_size=4)
+    c.trainer.train_bs = 2
+    c.model_path, c.data.path = str(model_path), str(data)
+    single = train(c, save_final=False).module.trainable_state_dict()
+    assert dp2.keys() == single.keys()
+    for k in dp2:
+        assert torch.allclose(dp2[k], single[k], atol=1e-5, rtol=1e-4), (k, (dp2[k] - single[k]).abs().max())
