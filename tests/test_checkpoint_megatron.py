@@ -219,6 +219,15 @@ def test_existing_target_replaced_only_with_overwrite(tmp_path):
     save_checkpoint(second, target, overwrite=True)
     assert _same_weights(second, load_model(target))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a checkpoint; refusing to replace it"):
+        save_checkpoint(second, precious, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    with pytest.raises(CheckpointError, match="JSON-serialisable"):
+        save_checkpoint(second, tmp_path / "x", extra={"bad": object()})
+    assert not (tmp_path / "x").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------

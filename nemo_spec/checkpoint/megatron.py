@@ -301,6 +301,11 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         raise CheckpointError(f"{target} already exists; pass overwrite=True to replace it")
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
+    if target.exists() and any(target.iterdir()):
+        try:  # overwrite replaces checkpoints only, never an unrelated directory
+            detect_format(target)
+        except CheckpointError as e:
+            raise CheckpointError(f"{target} exists and is not a checkpoint; refusing to replace it ({e})") from e
     if tokenizer_dir is not None and not Path(tokenizer_dir).expanduser().is_dir():
         raise CheckpointError(f"tokenizer_dir {tokenizer_dir} is not a directory")
     meta: Dict[str, Any] = {
@@ -316,7 +321,10 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         if k in meta:
             raise CheckpointError(f"extra key {k!r} would overwrite a reserved {CONFIG_NAME} field")
         meta[k] = v
-    json.dumps(meta)  # fail early (before writing anything) on non-JSON extras
+    try:
+        json.dumps(meta)  # fail early (before writing anything) on non-JSON extras
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable for {CONFIG_NAME}: {e}") from e
     sharded_sd = module.sharded_state_dict()
     tmp = target.with_name(target.name + TEMP_SUFFIX)
     _barrier()  # every rank has checked the target before anyone writes
