@@ -244,16 +244,17 @@ def _stage_export(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult)
 def _stage_benchmark(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
     out = res.work_dir / "benchmark"
     res.outputs["benchmark"] = out
-    table = out / "table.md"
+    table = out / "benchmark.md"
     if table.is_file():
         res.table = table.read_text()
         return True
-    args = ["scripts/benchmark.py", f"model_path={res.outputs['train']}",
-            f"prompts={res.outputs['data'] / 'prompts.jsonl'}", f"out_dir={out}",
-            f"max_new_tokens={cfg.max_new_tokens}"]
+    args = ["scripts/benchmark.py", "--model", str(res.outputs["train"]),
+            "--prompt-file", str(res.outputs["data"] / "prompts.jsonl"), "--num-prompts", str(cfg.num_prompts),
+            "--max-new-tokens", str(cfg.max_new_tokens), "--out-dir", str(out)]
     _run("benchmark", args + list(cfg.extra.get("benchmark", [])), res.work_dir / "logs" / "benchmark.log")
-    if table.is_file():
-        res.table = table.read_text()
+    if not table.is_file():
+        raise QuickstartError(f"quickstart stage 'benchmark' finished without {table}")
+    res.table = table.read_text()
     return False
 
 
