@@ -116,14 +116,32 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
+def _same_on_tp_ranks(seeds: List[int]) -> List[int]:
+    """Broadcast seeds from the first rank of the tensor-parallel group so every rank samples the same tokens."""
+    from nemo_spec import parallel
+
+    if parallel.tp_size() <= 1 or not seeds:
+        return seeds
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(seeds, dtype=torch.long, device=dev)
+    dist.broadcast(t, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                   group=parallel_state.get_tensor_model_parallel_group())
+    return [int(x) for x in t.tolist()]
+
+
 class RowRNG:
     """One seeded torch.Generator per batch row; hands out uniforms [b, n]."""
 
     def __init__(self, seeds: Sequence[Optional[int]]) -> None:
+        resolved = [int(s) if s is not None else int(torch.randint(0, 2**62, (1,)).item()) for s in seeds]
+        resolved = _same_on_tp_ranks(resolved)
         self.gens: List[torch.Generator] = []
-        for s in seeds:
+        for s in resolved:
             g = torch.Generator(device="cpu")
-            g.manual_seed(int(s) if s is not None else int(torch.randint(0, 2**62, (1,)).item()))
+            g.manual_seed(s)
             self.gens.append(g)
 
     def uniform(self, n: int, rows: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -218,7 +218,10 @@ class EagleProposer(_SpecModelProposer):
             self.depth = _opt_int(options, "num_draft_tokens", options.get("depth", 4))
             self.lookahead = self.depth
             self.spec_slots = self.depth
-        d2t_in = torch.arange(int(self.spec.d2t.numel()), device=self.spec.d2t.device)
+        vd = int(self.spec.d2t.numel())
+        if tree and self.top_k > vd:
+            raise SamplingError(f"option top_k={self.top_k} exceeds the draft vocabulary size {vd}")
+        d2t_in = torch.arange(vd, device=self.spec.d2t.device)
         self.d2t_ids = self.spec.draft_to_base_ids(d2t_in).long()
         self.V = model_config(self.spec).vocab_size
         self.max_pos = model_config(self.spec).max_position_embeddings
