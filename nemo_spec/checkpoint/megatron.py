@@ -18,7 +18,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
@@ -112,6 +112,10 @@ def detect_format(path: PathLike) -> str:
         raise CheckpointError(
             f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME} "
             f"and its common.pt holds no Megatron-LM 'args'")
+    if (p / "weights" / DIST_METADATA).is_file() and (p / "context").is_dir():
+        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint (context/ + weights/): its model config is a "
+                              f"NeMo-serialised object this package does not read; export it to Hugging Face format "
+                              f"with NeMo and load that directory")
     raise CheckpointError(
         f"unrecognised checkpoint directory {p}: looked for {CONFIG_NAME} (nemo_spec torch_dist), "
         f"latest_checkpointed_iteration.txt / iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt (Megatron-LM), "
