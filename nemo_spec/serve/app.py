@@ -144,6 +144,15 @@ class _Job:
         elif kind == "error":
             raise P.APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
 
+    def drain(self) -> List[Tuple]:
+        """Events already queued (no waiting)."""
+        out = []
+        while True:
+            try:
+                out.append(self.gen.events.get_nowait())
+            except asyncio.QueueEmpty:
+                return out
+
     async def next_event(self, request: Optional[Request]) -> Tuple:
         """The next batcher event; polls for client disconnects while waiting (non-streamed requests)."""
         while True:
@@ -160,6 +169,56 @@ class _Job:
 
 def _sse(obj: Dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: _Job, base: Dict[str, Any], chat: bool, include_usage: bool,
+                  first: List[List[Dict[str, Any]]]) -> AsyncIterator[str]:
+    """SSE body: chunks as tokens arrive (events already queued are merged, so a chunk may carry several
+    tokens), finish chunks, optional usage chunk, then ``data: [DONE]``; closing it cancels generation."""
+
+    def delta(i: int, text: str) -> Dict[str, Any]:
+        if chat:
+            return {"index": i, "delta": {"content": text}, "finish_reason": None, "logprobs": None}
+        return {"index": i, "text": text, "finish_reason": None, "logprobs": None}
+
+    def finish(i: int, reason: str) -> Dict[str, Any]:
+        if chat:
+            return {"index": i, "delta": {}, "finish_reason": reason, "logprobs": None}
+        return {"index": i, "text": "", "finish_reason": reason, "logprobs": None}
+
+    try:
+        for choices in first:
+            yield _sse({**base, "choices": choices})
+        failed = False
+        while not job.finished and not failed:
+            events = [await job.next_event(None)] + job.drain()
+            out: List[str] = []
+            pending: Dict[int, str] = {}
+            for ev in events:
+                try:
+                    job.apply(ev)
+                except P.APIError as e:
+                    out.extend(_sse({**base, "choices": [delta(i, t)]}) for i, t in pending.items())
+                    pending.clear()
+                    out.append(_sse(e.to_dict()))
+                    failed = True
+                    break
+                if ev[0] == "delta":
+                    pending[ev[1]] = pending.get(ev[1], "") + ev[2]
+                elif ev[0] == "finish":
+                    if ev[1] in pending:
+                        out.append(_sse({**base, "choices": [delta(ev[1], pending.pop(ev[1]))]}))
+                    out.append(_sse({**base, "choices": [finish(ev[1], ev[2])]}))
+            out.extend(_sse({**base, "choices": [delta(i, t)]}) for i, t in pending.items())
+            if out:
+                yield "".join(out)
+        if include_usage and job.finished:
+            yield _sse({**base, "choices": [], "usage": job.usage().model_dump()})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not job.finished:  # client went away (generator closed) -> cancel the rows in the engine
+            job.gen.cancelled = True
+            log.info("stream %s closed before the end; generation cancelled", base["id"])
 
 
 # ---------------------------------------------------------------- app
@@ -298,7 +357,10 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         rid, created = P.new_id("chatcmpl"), P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(job, rid, created, req.model, include_usage),
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                      "logprobs": None} for i in range(job.num_choices)]
+            return StreamingResponse(_stream(job, {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                                   "model": req.model}, True, include_usage, [first]),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await collect(job, request):
             return Response(status_code=499)
@@ -306,33 +368,6 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                                 finish_reason=job.finish[i]) for i in range(job.num_choices)]
         resp = P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
         return JSONResponse(resp.model_dump())
-
-    async def _chat_stream(job: _Job, rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        try:
-            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None, "logprobs": None}
-                                            for i in range(job.num_choices)]})
-            while not job.finished:
-                ev = await job.next_event(None)
-                try:
-                    job.apply(ev)
-                except P.APIError as e:
-                    yield _sse(e.to_dict())
-                    break
-                if ev[0] == "delta":
-                    yield _sse({**base, "choices": [{"index": ev[1], "delta": {"content": ev[2]},
-                                                     "finish_reason": None, "logprobs": None}]})
-                elif ev[0] == "finish":
-                    yield _sse({**base, "choices": [{"index": ev[1], "delta": {}, "finish_reason": ev[2],
-                                                     "logprobs": None}]})
-            if include_usage and job.finished:
-                yield _sse({**base, "choices": [], "usage": job.usage().model_dump()})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not job.finished:  # client went away (generator closed) -> cancel the rows in the engine
-                job.gen.cancelled = True
-                log.info("stream %s closed by the client; generation cancelled", rid)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -347,7 +382,9 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         echo = [texts[i // req.n] if req.echo else "" for i in range(job.num_choices)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(job, rid, created, req.model, include_usage, echo),
+            first = [[{"index": i, "text": e, "finish_reason": None, "logprobs": None}] for i, e in enumerate(echo) if e]
+            return StreamingResponse(_stream(job, {"id": rid, "object": "text_completion", "created": created,
+                                                   "model": req.model}, False, include_usage, first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await collect(job, request):
             return Response(status_code=499)
@@ -375,34 +412,6 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                 ids.append(list(p))
                 texts.append(served.tokenizer.decode(list(p), skip_special_tokens=False))
         return ids, texts
-
-    async def _completion_stream(job: _Job, rid: str, created: int, model: str, include_usage: bool,
-                                 echo: List[str]) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        try:
-            for i, e in enumerate(echo):
-                if e:
-                    yield _sse({**base, "choices": [{"index": i, "text": e, "finish_reason": None, "logprobs": None}]})
-            while not job.finished:
-                ev = await job.next_event(None)
-                try:
-                    job.apply(ev)
-                except P.APIError as e:
-                    yield _sse(e.to_dict())
-                    break
-                if ev[0] == "delta":
-                    yield _sse({**base, "choices": [{"index": ev[1], "text": ev[2], "finish_reason": None,
-                                                     "logprobs": None}]})
-                elif ev[0] == "finish":
-                    yield _sse({**base, "choices": [{"index": ev[1], "text": "", "finish_reason": ev[2],
-                                                     "logprobs": None}]})
-            if include_usage and job.finished:
-                yield _sse({**base, "choices": [], "usage": job.usage().model_dump()})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not job.finished:
-                job.gen.cancelled = True
-                log.info("stream %s closed by the client; generation cancelled", rid)
 
     # ------------------------------------------------------------ admin
     admin = [Depends(require_admin_key)]
