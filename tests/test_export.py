@@ -69,7 +69,7 @@ def test_eagle3_layout_and_reference_semantics(exported):
     cfg, draft = model.model_config, exp / "draft"
     conf = json.loads((draft / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == 48
-    assert conf["vocab_size"] == cfg.vocab_size and conf["target_hidden_size"] == cfg.hidden_size
+    assert conf["vocab_size"] == cfg.vocab_size and "target_hidden_size" not in conf  # equal widths: engines default
     assert conf["num_key_value_heads"] == 2 and conf["num_hidden_layers"] == 1
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert conf["base_model_name_or_path"] == str(exp / "base")
@@ -86,6 +86,10 @@ def test_eagle3_layout_and_reference_semantics(exported):
     assert {k: tuple(v.shape) for k, v in w.items()} == expected
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 48
 
+    # the base's index lets the EAGLE reference code find the embedding table the draft does not store
+    index = json.loads((exp / "base" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.embed_tokens.weight"] == "model.safetensors"
+    assert set(index["weight_map"]) == set(load_dir_tensors(exp / "base", ["model.safetensors"]))
     # the base as transformers loads it supplies the aux features by vLLM's layer ids (hidden_states[j])
     hf = AutoModelForCausalLM.from_pretrained(exp / "base", dtype=torch.float32).eval()
     ids, _ = _inputs(model)

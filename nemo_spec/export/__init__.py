@@ -214,6 +214,34 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
             "draft_vllm": medusa_fmt.medusa_to_vllm(neutral, cfg, spec)}
 
 
+def _write_safetensors_index(base_dir: Path) -> None:
+    """Add ``model.safetensors.index.json`` for a single-file base (the EAGLE reference code finds the base's
+    embedding table through it; transformers and vLLM read the single file either way)."""
+    from safetensors import safe_open
+
+    single, index = base_dir / "model.safetensors", base_dir / "model.safetensors.index.json"
+    if not single.is_file() or index.exists():
+        return
+    total = 0
+    with safe_open(str(single), framework="pt") as f:
+        keys = list(f.keys())
+        for k in keys:
+            sl = f.get_slice(k)
+            total += _numel(sl.get_shape()) * _itemsize(sl.get_dtype())
+    write_json(index, {"metadata": {"total_size": int(total)}, "weight_map": {k: single.name for k in keys}})
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "BOOL": 1, "F64": 8, "I8": 1, "U8": 1}.get(dtype, 4)
+
+
 def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Tensor], conf: Dict[str, Any],
                      dtype: torch.dtype) -> None:
     out.mkdir()
@@ -279,6 +307,7 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
         if include_base:
             base_model = spec_model.gpt if transformed else spec_model
             export_hf(base_model, tmp / "base", tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
+            _on_rank0(lambda: _write_safetensors_index(tmp / "base"), "writing the base's safetensors index")
 
         def write_rest() -> None:
             for sub, (tensors, conf) in files.items():

@@ -3,7 +3,7 @@
 EAGLE-3 (vLLM ``llama_eagle3.py`` / SGLang ``llama_eagle3.py`` / TensorRT-LLM / SafeAILab ``cnets.py``)
   config.json: a Llama config with ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``,
   ``num_hidden_layers`` = number of draft layers, ``vocab_size`` = the *base* vocabulary, ``draft_vocab_size``,
-  ``target_hidden_size`` (the base's hidden size; fc input is 3x it), ``hidden_act: "silu"``, ``rms_norm_eps``,
+  ``hidden_act: "silu"``, ``rms_norm_eps``,
   ``rope_theta``/``rope_scaling``, ``max_position_embeddings``, ``tie_word_embeddings: false`` and
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` (vLLM numbering: id j is the *input* of base layer j, i.e. the
   output of 0-based layer j-1, so our 0-based ``aux_layers`` are written +1).
@@ -17,6 +17,9 @@ EAGLE-3 (vLLM ``llama_eagle3.py`` / SGLang ``llama_eagle3.py`` / TensorRT-LLM / 
     ``t2d`` bool [V] (True for base ids in the draft vocabulary; vLLM/SGLang skip it, the EAGLE code keeps it).
   The residual stream of the mid layer starts from the fused feature (before ``hidden_norm``); the embedding
   table is not stored (engines share the base's). Extra draft layers (vLLM only) are ``layers.{i}.*``, Llama style.
+  ``target_hidden_size`` is left out (draft and base widths are equal; engines default it to ``hidden_size``): with
+  it set, the EAGLE reference code expects ``embed_tokens`` inside the draft instead of reading the base's through
+  the base's ``model.safetensors.index.json`` (which the export therefore writes next to ``base/model.safetensors``).
 EAGLE-1 (SafeAILab ``cnets1.py`` ``Model`` loaded by ``EaModel`` from ``pytorch_model.bin``; vLLM
 ``llama_eagle.py`` ``EagleLlamaForCausalLM`` from safetensors)
   config.json: a plain Llama config (``architectures: ["LlamaForCausalLM"]``) whose ``num_hidden_layers`` is the
@@ -151,7 +154,6 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
     conf = {"architectures": [EAGLE3_ARCH], **_llama_fields(cfg, n_layers)}
     conf.update({
         "draft_vocab_size": int(vd),
-        "target_hidden_size": cfg.hidden_size,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux], "use_aux_hidden_state": True},
     })
