@@ -167,7 +167,10 @@ def test_eagle3_features_and_draft_vocab():
     w = m.gpt.output_layer.weight
     assert torch.equal(m.eagle_module.output_layer.weight, w[chosen.sort().values])
     # truncated vocabulary: the 48 most frequent
-    counts2 = torch.arange(96, dtype=torch.float)
+    from nemo_spec.speculative import count_tokens
+
+    counts2 = count_tokens([list(range(i, 96)) for i in range(96)], 96)  # token i appears i+1 times
+    assert counts2[5] == 6 and counts2[95] == 96
     m.set_draft_vocab(counts2)
     assert torch.equal(m.draft_vocab_ids(), torch.arange(48, 96))
 

@@ -1,6 +1,6 @@
 """Speculative-decoding drafts (EAGLE-1, EAGLE-3, Medusa) attached to a frozen megatron-core GPTModel."""
 from nemo_spec.checkpoint import tp as _tp
-from nemo_spec.speculative.eagle import EagleDraft, TTTContext
+from nemo_spec.speculative.eagle import EagleDraft, TTTContext, count_tokens
 from nemo_spec.speculative.medusa import MedusaHeads
 from nemo_spec.speculative.model import EAGLE_PREFIX, MEDUSA_PREFIX, SpeculativeGPT
 from nemo_spec.speculative.transform import SpeculativeTransform, model_config_from_megatron
@@ -14,4 +14,4 @@ _tp.register_rule(r"medusa_heads\.heads\.\d+\.blocks\.\d+\.linear\.(weight|bias)
 _tp.register_rule(r"(eagle_module|medusa_heads\.heads\.\d+)\.output_layer\.weight$", _tp.VOCAB, first=True)
 
 __all__ = ["EagleDraft", "MedusaHeads", "SpeculativeGPT", "SpeculativeTransform", "TTTContext", "EAGLE_PREFIX",
-           "MEDUSA_PREFIX", "model_config_from_megatron"]
+           "MEDUSA_PREFIX", "count_tokens", "model_config_from_megatron"]

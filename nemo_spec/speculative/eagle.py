@@ -257,3 +257,14 @@ def _tp_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def count_tokens(sequences, vocab_size: int) -> torch.Tensor:
+    """Token frequencies [vocab_size] (float64) over an iterable of token-id sequences (for set_draft_vocab)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq in sequences:
+        ids = torch.as_tensor(seq, dtype=torch.long).flatten()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"token id outside [0, {vocab_size}) in a sequence passed to count_tokens")
+        counts += torch.bincount(ids, minlength=vocab_size).to(torch.float64)
+    return counts

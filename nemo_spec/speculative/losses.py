@@ -118,24 +118,53 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     return res
 
 
+def vocab_parallel_argmax(local_logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the full vocabulary of vocab-parallel logits [..., V/tp] (global token ids)."""
+    from nemo_spec import parallel
+
+    with torch.no_grad():
+        vals, idx = local_logits.max(-1)
+        tp = parallel.tp_size()
+        if tp == 1:
+            return idx
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        idx = idx + parallel.tp_rank() * local_logits.shape[-1]
+        group = parallel_state.get_tensor_model_parallel_group()
+        all_vals = [torch.empty_like(vals) for _ in range(tp)]
+        all_idx = [torch.empty_like(idx) for _ in range(tp)]
+        dist.all_gather(all_vals, vals.contiguous(), group=group)
+        dist.all_gather(all_idx, idx.contiguous(), group=group)
+        best = torch.stack(all_vals).argmax(0, keepdim=True)  # first max -> lowest id, as a full argmax
+        return torch.stack(all_idx).gather(0, best)[0]
+
+
 def medusa_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
                   decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
-    """Medusa: per-head cross-entropy against the ground-truth token k+2 ahead, weighted decay^k."""
-    logits = model.medusa_logits(out.hidden.detach())  # [K, b, s, V]
+    """Medusa: per-head cross-entropy against the ground-truth token k+2 ahead, weighted decay^k.
+
+    Logits stay vocab-parallel (megatron's ``vocab_parallel_cross_entropy``): K heads x full vocabulary are
+    never gathered unless ``return_logits``.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from nemo_spec.models.gpt import gather_vocab
+
+    local = model.medusa_logits(out.hidden.detach(), gather=False)  # [K, b, s, V/tp]
     total = torch.zeros((), device=input_ids.device)
     step_losses: List[torch.Tensor] = []
     step_acc: List[torch.Tensor] = []
-    for k in range(logits.shape[0]):
+    for k in range(local.shape[0]):
         target = shift_left(input_ids, k + 2)
         mask = shifted_mask(loss_mask, k + 2)
-        ce = F.cross_entropy(logits[k].float().flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+        ce = vocab_parallel_cross_entropy(local[k].float().clone(), target)  # it works in place on its input
         loss_k = masked_mean(ce, mask)
         total = total + (decay ** k) * loss_k
         step_losses.append(loss_k.detach())
-        with torch.no_grad():
-            step_acc.append(masked_mean((logits[k].argmax(-1) == target).float(), mask))
+        step_acc.append(masked_mean((vocab_parallel_argmax(local[k]) == target).float(), mask))
     res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
     if return_logits:
         res.update(base_logits=out.logits.detach() if out.logits is not None else None,
-                   step_logits=list(logits.unbind(0)))
+                   step_logits=[gather_vocab(x) for x in local.unbind(0)])
     return res
