@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     elif not a.base_url:
         p.error("give --base-url or --checkpoint")
     try:
-        res = run_benchmark(a.base_url, a.model, a.levels, a.requests, a.max_tokens, api_key=a.api_key, chat=a.chat)
+        res = run_benchmark(a.base_url, a.model, a.levels, a.requests, a.max_tokens, api_key=a.api_key, chat=a.chat,
+                            client_process=server is not None)
     finally:
         if server is not None:
             server.stop()

@@ -213,7 +213,7 @@ def test_benchmark_counts_exact_tokens(tok):
 
     with live_server(tiny_model(tok), tok, name="tiny", max_batch=8) as srv:
         res = run_benchmark(srv.url + "/v1", "tiny", levels=(1, 4), requests=4, max_tokens=6,
-                            prompts=["the cat", "we read"], warmup=False)
+                            prompts=["the cat", "we read"], warmup=False, client_process=True)
         assert srv.manager.get("tiny").batcher.batches_run < 8  # the 4-stream level shared batches
     assert [r.concurrency for r in res] == [1, 4]
     assert all(r.completion_tokens == 4 * 6 for r in res)  # ignore_eos: every stream runs max_tokens

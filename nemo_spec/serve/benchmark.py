@@ -76,23 +76,40 @@ async def _level(base_url: str, api_key: str, model: str, prompts: Sequence[str]
                        sum(o[1] for o in out) / len(out), sum(o[2] for o in out) / len(out))
 
 
+def _run_level(*args: Any) -> LevelResult:
+    return asyncio.run(_level(*args))
+
+
 def run_benchmark(base_url: str, model: str, levels: Sequence[int] = (1, 4, 8, 16), requests: Optional[int] = None,
                   max_tokens: int = 64, prompts: Sequence[str] = DEFAULT_PROMPTS, api_key: str = "EMPTY",
-                  chat: bool = False, warmup: bool = True) -> List[LevelResult]:
+                  chat: bool = False, warmup: bool = True, client_process: bool = False) -> List[LevelResult]:
     """Measure throughput at each concurrency level (each runs ``requests`` streams, default 2x the level, >= 8);
-    level 1 is the sequential baseline the speed-ups are relative to."""
+    level 1 is the sequential baseline the speed-ups are relative to. ``client_process`` runs the clients in a
+    separate (spawned) process, so they do not compete for the GIL with a server running in this process."""
     if not levels or any(c < 1 for c in levels):
         raise ValueError(f"levels must be positive integers, got {list(levels)}")
     levels = sorted(set(levels) | {1})
-    if warmup:
-        asyncio.run(_level(base_url, api_key, model, prompts, 1, 1, min(max_tokens, 8), chat))
-    results = []
-    for c in levels:
-        n = requests or max(8, 2 * c)
-        r = asyncio.run(_level(base_url, api_key, model, prompts, c, n, max_tokens, chat))
+    pool = None
+    if client_process:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    run = (lambda *a: pool.submit(_run_level, *a).result()) if pool is not None else _run_level
+    try:
+        if warmup:
+            run(base_url, api_key, model, list(prompts), 1, 1, min(max_tokens, 8), chat)
+        results = []
+        for c in levels:
+            n = requests or max(8, 2 * c)
+            results.append(run(base_url, api_key, model, list(prompts), c, n, max_tokens, chat))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    for r in results:
+        c = r.concurrency
         log.info("concurrency %d: %d tokens in %.2fs = %.1f tok/s", c, r.completion_tokens, r.elapsed_s,
                  r.tokens_per_s)
-        results.append(r)
     base = results[0].tokens_per_s
     for r in results:
         r.speedup_vs_sequential = r.tokens_per_s / base if base > 0 else 0.0
