@@ -1,4 +1,4 @@
-"""Export of drafts to serving formats (EAGLE-3, EAGLE-1, Medusa) + the HF base: layout, semantics, round trip, errors."""
+"""Draft export to serving formats (EAGLE-3, EAGLE-1, Medusa) + the HF base: layout, semantics, round trip, errors."""
 import json
 import subprocess
 import sys
@@ -80,7 +80,8 @@ def test_eagle3_layout_and_reference_semantics(exported):
         "midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
         "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
         "midlayer.post_attention_layernorm.weight": (h,), "midlayer.mlp.gate_proj.weight": (cfg.ffn_hidden_size, h),
-        "midlayer.mlp.up_proj.weight": (cfg.ffn_hidden_size, h), "midlayer.mlp.down_proj.weight": (h, cfg.ffn_hidden_size),
+        "midlayer.mlp.up_proj.weight": (cfg.ffn_hidden_size, h),
+        "midlayer.mlp.down_proj.weight": (h, cfg.ffn_hidden_size),
         "norm.weight": (h,), "lm_head.weight": (48, h), "d2t": (48,), "t2d": (cfg.vocab_size,),
     }
     assert {k: tuple(v.shape) for k, v in w.items()} == expected
@@ -146,7 +147,8 @@ def test_medusa_layout_and_reference_semantics(exported):
     w = load_dir_tensors(draft, ["medusa_lm_head.safetensors"])
     wpt = load_dir_tensors(draft, ["medusa_lm_head.pt"])
     assert w.keys() == wpt.keys()
-    assert set(w) == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")} | {f"{k}.1.weight" for k in range(3)}
+    blocks = {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")}
+    assert set(w) == blocks | {f"{k}.1.weight" for k in range(3)}
     assert tuple(w["2.1.weight"].shape) == (cfg.vocab_size, cfg.hidden_size)
     _, hidden = _inputs(model)
     ref, _ = reference_medusa(draft, hidden)
@@ -346,7 +348,8 @@ def test_eagle3_import_accepts_layers0_naming_and_requires_d2t(exported, tmp_pat
     d = tmp_path / "renamed"
     d.mkdir()
     (d / "config.json").write_text((exp / "draft" / "config.json").read_text())
-    sd = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(str(exp / "draft" / "model.safetensors")).items()}
+    orig = load_file(str(exp / "draft" / "model.safetensors"))
+    sd = {k.replace("midlayer.", "layers.0."): v for k, v in orig.items()}
     save_file(sd, str(d / "model.safetensors"))
     fresh = make_model("eagle3", seed=8).eval()
     fresh.gpt.load_state_dict(model.gpt.state_dict())

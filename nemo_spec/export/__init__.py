@@ -3,7 +3,8 @@
 An export directory holds::
 
     base/              the base model as a Hugging Face directory (config.json, model.safetensors, tokenizer files,
-                       generation_config.json) written by nemo_spec.checkpoint.hf.export_hf
+                       generation_config.json) written by nemo_spec.checkpoint.hf.export_hf, plus a
+                       model.safetensors.index.json (the EAGLE reference code finds the embedding through it)
     draft/             the draft in its reference layout: EAGLE-3 (LlamaForCausalLMEagle3), EAGLE-1 (EAGLE
                        reference / vLLM EAGLE) or Medusa (FasterDecoding/Medusa medusa_lm_head.*)
     draft_vllm/        Medusa only: the same heads in vLLM's Medusa layout
@@ -264,8 +265,9 @@ def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Ten
     log.info("wrote %s draft (%d tensors, %s) to %s", fmt, len(tensors), hf_dtype_name(dtype), out)
 
 
-def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto", dtype: Union[str, torch.dtype] = "bf16",
-                 overwrite: bool = False, tokenizer_dir: Optional[PathLike] = None, include_base: bool = True,
+def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto",
+                 dtype: Union[str, torch.dtype] = "bf16", overwrite: bool = False,
+                 tokenizer_dir: Optional[PathLike] = None, include_base: bool = True,
                  base_name: Optional[str] = None, source: Optional[str] = None) -> Path:
     """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
 
@@ -299,7 +301,8 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
         files = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding)
         for _, conf in files.values():
             conf["base_model_name_or_path"] = base_ref
-            conf["nemo_spec"] = {"algorithm": fmt, "source_checkpoint": source, "base_dir": "../base" if include_base else None,
+            conf["nemo_spec"] = {"algorithm": fmt, "source_checkpoint": source,
+                                 "base_dir": "../base" if include_base else None,
                                  "speculative": spec_model.spec_config.to_dict()}
 
     tmp = _new_tmp_dir(target)

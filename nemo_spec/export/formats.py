@@ -104,10 +104,12 @@ def layer_to_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, num_heads: i
 
     out: Dict[str, torch.Tensor] = {}
     q, k, v = split_qkv(get("self_attention.linear_qkv.weight"), num_heads, num_groups, head_dim)
-    out[dst + "self_attn.q_proj.weight"], out[dst + "self_attn.k_proj.weight"], out[dst + "self_attn.v_proj.weight"] = q, k, v
+    for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+        out[f"{dst}self_attn.{name}.weight"] = t
     if src + "self_attention.linear_qkv.bias" in sd:
         qb, kb, vb = split_qkv(sd[src + "self_attention.linear_qkv.bias"], num_heads, num_groups, head_dim)
-        out[dst + "self_attn.q_proj.bias"], out[dst + "self_attn.k_proj.bias"], out[dst + "self_attn.v_proj.bias"] = qb, kb, vb
+        for name, t in (("q_proj", qb), ("k_proj", kb), ("v_proj", vb)):
+            out[f"{dst}self_attn.{name}.bias"] = t
     out[dst + "self_attn.o_proj.weight"] = get("self_attention.linear_proj.weight")
     gate, up = split_gated(get("mlp.linear_fc1.weight"))
     out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
@@ -156,7 +158,8 @@ def cast_tensors(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Dic
     return out
 
 
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Optional[Dict[str, str]] = None) -> None:
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
+                     metadata: Optional[Dict[str, str]] = None) -> None:
     """Write ``tensors`` to ``path`` in safetensors format (pt metadata as transformers writes it)."""
     from safetensors.torch import save_file
 

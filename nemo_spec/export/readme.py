@@ -1,4 +1,4 @@
-"""The README.md written into every export directory: what is there and how to serve it (vLLM, SGLang, reference code)."""
+"""The README.md written into every export: what is there and how to serve it (vLLM, SGLang, reference code)."""
 from __future__ import annotations
 
 import json
