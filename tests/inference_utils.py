@@ -1,7 +1,6 @@
 """Helpers for the inference tests: chi-square bounds, exact AR continuation distributions, reference greedy."""
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from typing import Dict, List, Sequence, Tuple

@@ -252,3 +252,14 @@ def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, 
     accepted = [sum(m * c for m, c in enumerate(o.stats["accept_hist"])) for o in outs]
     assert sum(accepted) >= 4, accepted  # drafts accepted: multi-token steps, cache compaction exercised
     assert len({tuple(o.stats["accept_hist"]) for o in outs}) > 1  # rows advanced by different amounts
+
+
+def test_medusa_custom_choices_and_tree_options(llama, trained):
+    m, ref = llama
+    outs = generate(trained["medusa"], PROMPTS, SamplingParams(max_new_tokens=10), method="medusa",
+                    options={"medusa_choices": [[0], [1], [0, 0], [0, 0, 0], [0, 1]]})
+    assert [o.tokens for o in outs] == ref
+    outs = generate(trained["eagle1"], PROMPTS, SamplingParams(max_new_tokens=10), method="eagle_tree",
+                    options={"depth": 4, "top_k": 2, "total_tokens": 6})
+    assert [o.tokens for o in outs] == ref
+    assert all(o.stats["draft_forwards"] >= 4 * (o.stats["target_forwards"] - 1) for o in outs)

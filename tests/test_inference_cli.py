@@ -89,7 +89,7 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
     model, dmodel = load_model(path), load_model(draft)
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["the cat sat on", "the dog", "in the tree the bird"]]
     res = bench.benchmark(model, prompts, dmodel, batch_sizes=(1, 2), max_new_tokens=6, work_dir=tmp_path,
-                          options={"num_draft_tokens": 3})
+                          options={"num_draft_tokens": 3}, repeats=1)
     got = {(r["engine"], r["method"], r["batch_size"]) for r in res["rows"]}
     for b in (1, 2):
         assert {("nemo_spec", m, b) for m in ("ar", "prompt_lookup", "draft_model")} <= got
