@@ -272,6 +272,26 @@ def test_transform_swaps_inside_lightning_module():
         SpeculativeTransform(algorithm="eagle1")(h)
 
 
+@pytest.mark.parametrize("make", [_cfg, tiny_gpt2])
+def test_model_config_derived_for_foreign_gpt_model(make):
+    """A GPTModel without nemo_spec's config attribute (e.g. NeMo's) gets its ModelConfig from megatron's config."""
+    from nemo_spec.speculative import model_config_from_megatron
+
+    cfg = make(rope_theta=5e5) if make is _cfg else make()
+    base = build_gpt(cfg)
+    del base.nemo_spec_config
+    derived = model_config_from_megatron(base)
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+              "ffn_hidden_size", "normalization", "norm_eps", "activation", "position_embedding", "rope_theta",
+              "add_bias_linear", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(derived, f) == getattr(cfg, f), f
+    m = SpeculativeTransform(algorithm="eagle1")(base)
+    assert m.model_config == derived
+    from nemo_spec.models import model_config
+
+    assert model_config(m) == derived
+
+
 def test_nemo2_gpt_model_optional():
     pytest.importorskip("nemo.collections.llm", reason="nemo_toolkit (NeMo 2 LLM collection) not installed")
     from nemo.collections import llm

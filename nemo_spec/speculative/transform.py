@@ -158,9 +158,13 @@ class SpeculativeTransform:
     def _transform_gpt(self, gpt: GPTModel) -> SpeculativeGPT:
         """Build the draft for a plain GPTModel."""
         model_config = getattr(gpt, "nemo_spec_config", None)
-        if model_config is None:
+        derived = model_config is None
+        if derived:
             model_config = model_config_from_megatron(gpt)
         cfg = self.validate_for(model_config, parallel.tp_size())
+        if derived:  # so that models.unwrap()/model_config() work on the result
+            gpt.nemo_spec_config = model_config
+            log.info("derived ModelConfig from the megatron config of %s: %s", type(gpt).__name__, model_config)
         return SpeculativeGPT(gpt, cfg, model_config)
 
 
@@ -181,9 +185,13 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
     c = gpt.config
     tp = c.tensor_model_parallel_size
     vocab = getattr(gpt, "vocab_size", None) or gpt.embedding.word_embeddings.weight.shape[0] * tp
-    rope = getattr(gpt, "position_embedding_type", "rope") == "rope"
-    rope_base = 10000.0
-    if rope and getattr(gpt, "rotary_pos_emb", None) is not None:
+    rope_scaling = None
+    if hasattr(c, "nemo_rope"):  # built from our layer spec: RoPE lives in the core attention
+        rope, rope_base, rope_scaling = c.nemo_rope, c.nemo_rope_theta, c.nemo_rope_scaling
+    else:
+        rope = getattr(gpt, "position_embedding_type", "rope") == "rope"
+        rope_base = 10000.0
+    if not hasattr(c, "nemo_rope") and rope and getattr(gpt, "rotary_pos_emb", None) is not None:
         inv = gpt.rotary_pos_emb.inv_freq
         if inv.numel() > 1:  # inv_freq[1] = base^(-2/d)
             rope_base = float(inv[1].double() ** (-c.kv_channels / 2.0))
@@ -198,5 +206,6 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
         max_position_embeddings=int(getattr(gpt, "max_sequence_length", 2048)),
         family="llama" if rope else "gpt2", normalization=c.normalization, norm_eps=c.layernorm_epsilon,
         activation=activation, position_embedding="rope" if rope else "learned", rope_theta=round(rope_base, 3),
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
         add_bias_linear=c.add_bias_linear, add_qkv_bias=bool(getattr(c, "add_qkv_bias", False)),
         tie_word_embeddings=gpt.share_embeddings_and_output_weights, init_method_std=c.init_method_std)
