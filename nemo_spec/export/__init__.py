@@ -335,7 +335,8 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     finally:
         if parallel.is_rank_zero() and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), target)
+    if parallel.is_rank_zero():
+        log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), target)
     return target
 
 
