@@ -167,7 +167,7 @@ def reshard_run() -> Dict[str, Any]:
 
     from nemo_spec.checkpoint import save_checkpoint
     from nemo_spec.models import build_gpt, gpt_forward
-    from tests.helpers import ROOT, run_torchrun, tiny_llama
+    from tests.helpers import ROOT, run_torchrun, tiny_gpt2, tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="nemo_spec_reshard_"))
     atexit.register(shutil.rmtree, work, True)
@@ -182,10 +182,16 @@ def reshard_run() -> Dict[str, Any]:
     write_megatron_lm_rank(work / "lm_legacy_tp1", 100, 0, m.state_dict_for_save_checkpoint(),
                            megatron_lm_args(cfg, tp=1))
     write_tracker(work / "lm_legacy_tp1", 100)
+    g2_cfg = tiny_gpt2()
+    g2 = perturb_(build_gpt(g2_cfg), seed=21).eval()
+    with torch.no_grad():
+        g2_logits = gpt_forward(g2, x).logits
+    save_checkpoint(g2, work / "gpt2_tp1_dist")
+    gpt2 = {"config": g2_cfg.to_dict(), "input_ids": x, "logits": g2_logits, "state_dict": tensor_sd(g2)}
     blob = work / "ref.pt"
-    torch.save({"config": cfg.to_dict(), "input_ids": x, "logits": logits, "state_dict": sd}, blob)
+    torch.save({"config": cfg.to_dict(), "input_ids": x, "logits": logits, "state_dict": sd, "gpt2": gpt2}, blob)
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "ckpt_reshard.py", [blob, work], timeout=300)
     line = next(l for l in out.splitlines() if l.startswith("RESULTS "))
-    _RESHARD.update(work=work, cfg=cfg, input_ids=x, logits=logits, state_dict=sd,
+    _RESHARD.update(work=work, cfg=cfg, input_ids=x, logits=logits, state_dict=sd, gpt2=gpt2,
                     results=json.loads(line[len("RESULTS "):]))
     return _RESHARD

@@ -129,6 +129,17 @@ def test_tp2_checkpoint_loads_at_tp2(reshard):
     assert r["tp"] == 2 and r["sd_equal"] and r["err"] < TOL, r
 
 
+def test_gpt2_family_reshards_both_ways(reshard):
+    r = reshard["results"]["gpt2_tp1_dist@tp2"]
+    assert r["tp"] == 2 and r["sd_equal"] and r["err"] < TOL, r
+    ref = reshard["gpt2"]
+    model = load_model(reshard["work"] / "gpt2_tp2_dist")
+    assert model.share_embeddings_and_output_weights
+    sd = tensor_sd(model)
+    assert set(sd) == set(ref["state_dict"]) and all(torch.equal(sd[k], v) for k, v in ref["state_dict"].items())
+    assert (_logits(model, ref["input_ids"]) - ref["logits"]).abs().max().item() < TOL
+
+
 def test_tp2_checkpoint_loads_at_tp1(reshard):
     path = reshard["work"] / "tp2_dist"
     assert read_checkpoint_config(path)["tp_size_saved"] == 2

@@ -32,16 +32,25 @@ def main() -> None:
     x, ref_logits, ref_sd = blob["input_ids"], blob["logits"], blob["state_dict"]
     results = {}
 
-    def check(name: str, model: torch.nn.Module) -> None:
+    def check(name: str, model: torch.nn.Module, ref: dict = blob) -> None:
         model.eval()
         with torch.no_grad():
-            logits = gpt_forward(model, x).logits
-        full = gather_full_state_dict(model, gated)
+            logits = gpt_forward(model, ref["input_ids"]).logits
+        g = model.nemo_spec_config.activation == "swiglu"
+        full = gather_full_state_dict(model, g)
+        sd = ref["state_dict"]
         results[name] = {
-            "err": (logits - ref_logits).abs().max().item(),
-            "sd_equal": set(full) == set(ref_sd) and all(torch.equal(full[k], ref_sd[k]) for k in ref_sd),
+            "err": (logits - ref["logits"]).abs().max().item(),
+            "sd_equal": set(full) == set(sd) and all(torch.equal(full[k], sd[k]) for k in sd),
             "tp": parallel.tp_size(),
         }
+
+    # GPT-2 family (tied embeddings, learned positions, biases): TP=1 -> TP=2 and a TP=2 save
+    g2 = blob["gpt2"]
+    check("gpt2_tp1_dist@tp2", load_model(work / "gpt2_tp1_dist"), g2)
+    g2_model = build_gpt(ModelConfig.from_dict(g2["config"]))
+    load_full_state_dict(g2_model, g2["state_dict"], gated=False)
+    save_checkpoint(g2_model, work / "gpt2_tp2_dist")
 
     # 1) TP=1 -> TP=2
     check("tp1_dist@tp2", load_model(work / "tp1_dist"))
