@@ -359,3 +359,17 @@ def test_eagle3_import_accepts_layers0_naming_and_requires_d2t(exported, tmp_pat
     save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, str(d / "model.safetensors"))
     with pytest.raises(ExportError, match="reduced vocabulary .*no 'd2t'"):
         import_draft(fresh, d)
+
+
+def test_eagle3_full_vocab_two_layers_vllm_layout(tmp_path):
+    """Draft vocab = base vocab (d2t all zero) and a second draft layer written as vLLM's layers.1.*."""
+    model = make_model("eagle3", seed=6, draft_vocab_size=None, num_eagle_layers=2).eval()
+    exp = export_model(model, tmp_path / "exp", dtype="fp32", include_base=False)
+    conf = json.loads((exp / "draft" / "config.json").read_text())
+    assert conf["num_hidden_layers"] == 2 and conf["draft_vocab_size"] == model.model_config.vocab_size
+    ids, feats = _inputs(model)
+    emb = model.gpt.embedding.word_embeddings.weight.detach()
+    ref, base_ids, w = reference_eagle3(exp / "draft", emb, ids, feats)
+    assert "layers.1.input_layernorm.weight" in w and not torch.any(w["d2t"]) and bool(w["t2d"].all())
+    assert torch.equal(base_ids, torch.arange(model.model_config.vocab_size))
+    assert (ref - our_draft_logits(model, ids, feats)).abs().max() < 1e-4
