@@ -17,8 +17,17 @@ from nemo_spec.config import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from more threads, and oversubscribed OpenMP threads spin (shared CI cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def tiny_build(tmp_path_factory):
+def tiny_build(tmp_path_factory, _one_thread):
     cache = tmp_path_factory.mktemp("cache")
     t0 = time.time()
     result = B.build_base("tiny", seed=0, cache_dir=cache, progress=False)

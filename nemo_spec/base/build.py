@@ -128,16 +128,19 @@ def _single_process() -> Iterator[None]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise BuildError(f"build_base runs in a single process; got world size {dist.get_world_size()} "
                          f"(run scripts/build_base.py without torchrun)")
-    owned = not dist.is_initialized() or not parallel_state.model_parallel_is_initialized()
-    if owned:
+    owns_group = not dist.is_initialized()
+    owns_state = not parallel_state.model_parallel_is_initialized()
+    if owns_group or owns_state:
         parallel.initialize(tensor_parallel_size=1)
     elif parallel.tp_size() != 1:
         raise BuildError(f"build_base needs tensor parallel size 1, current parallel state has {parallel.tp_size()}")
     try:
         yield
     finally:
-        if owned:
+        if owns_group:
             parallel.destroy()
+        elif owns_state:
+            parallel_state.destroy_model_parallel()
 
 
 def build_dir(preset: BasePreset, seed: int, corpus: Corpus, cache_dir: Union[str, Path, None] = None) -> Path:

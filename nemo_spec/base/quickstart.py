@@ -67,7 +67,7 @@ class QuickstartConfig:
     seed: int = 0
     cache_dir: Optional[str] = None
     draft_vocab_size: Optional[int] = 4096
-    train_steps: int = 300
+    train_steps: int = 200
     train_bs: int = 8
     train_seq_len: int = 256
     train_lr: float = 3e-3
