@@ -233,7 +233,9 @@ def test_hydra_compose_maps_onto_typed_config():
 
 def test_script_end_to_end(base, tmp_path):
     model_path, data = base
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # set by this process
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "scripts" / "train_speculative.py"), f"model_path={model_path}",
            "spec=eagle1", "data=daring_anteater", f"data.path={data}", f"run_dir={tmp_path / 'run'}",
            "trainer.max_steps=3", "trainer.val_check_interval=0", "trainer.ckpt_every_n_steps=3",
@@ -267,3 +269,10 @@ def test_torchrun_tp2_and_dp2_training(base, tmp_path):
     assert dp2.keys() == single.keys()
     for k in dp2:
         assert torch.allclose(dp2[k], single[k], atol=1e-5, rtol=1e-4), (k, (dp2[k] - single[k]).abs().max())
+
+
+def test_benchmark_reports_ratio():
+    from nemo_spec.training.benchmark import benchmark_train_step
+
+    r = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2)
+    assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
