@@ -136,6 +136,7 @@ def test_speculative_serving_batched_matches_greedy(model, tok, method, transfor
         assert tau and float(tau[0].split()[-1]) >= len(prompts)
 
 
+@pytest.mark.slow
 def test_serve_script_loads_checkpoint_from_config(model, tok, tok_dir, tmp_path):
     """scripts/serve.py (Hydra overrides) loads a checkpoint at start-up and answers on 127.0.0.1."""
     import os

@@ -208,6 +208,7 @@ def test_request_models():
 
 # ------------------------------------------------------------------------------------------------ benchmark
 
+@pytest.mark.slow
 def test_benchmark_counts_exact_tokens(tok):
     from nemo_spec.serve.benchmark import format_table, run_benchmark
 
