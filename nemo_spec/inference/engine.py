@@ -254,12 +254,19 @@ class Engine:
                 st.finish[r] = "length"
                 break
         st.seqs[r].extend(toks)
-        if sp.stop_strings and tokenizer is not None:
+        if sp.stop_strings and tokenizer is not None and new:
             text = tokenizer.decode(st.out[r])
-            hits = [text.find(s) for s in sp.stop_strings if s in text]
-            if hits:
+            if any(s in text for s in sp.stop_strings):
+                # keep tokens only up to the one completing the stop string (same result as one-token steps)
+                first = len(st.out[r]) - len(new)
+                for k in range(first + 1, len(st.out[r]) + 1):
+                    text = tokenizer.decode(st.out[r][:k])
+                    if any(s in text for s in sp.stop_strings):
+                        break
+                del new[len(new) - (len(st.out[r]) - k):]
+                del st.out[r][k:]
                 st.finish[r] = "stop"
-                st.text[r] = text[: min(hits)]
+                st.text[r] = text[: min(text.find(s) for s in sp.stop_strings if s in text)]
         if on_tokens is not None and new:
             if on_tokens(r, new) is False and st.finish[r] is None:
                 st.finish[r] = "cancelled"
