@@ -65,6 +65,32 @@ def test_typed_config_rejects_unknown_fields():
         train_config_from_dict({"spec": {"algorithm": "eagle9"}, "data": {"path": "d"}}).validate()
 
 
+def test_grad_norm_and_clipping_match_torch():
+    from nemo_spec.training import tp_grad_norm
+
+    m = build_gpt(tiny_llama())
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    params = list(m.parameters())
+    ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    assert tp_grad_norm(params).item() == pytest.approx(ref.item(), rel=1e-5)
+    module = SpeculativeLightningModule(model_factory=lambda: m)
+    module.configure_model()
+    module.log = lambda *a, **k: None  # not attached to a Trainer here
+    module.optim.grad_clip = 1.0
+    module.configure_gradient_clipping(None)  # what Lightning calls (its own clip value unset)
+    assert tp_grad_norm(params).item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_gpu_trainer_without_cuda_is_clear():
+    from nemo_spec.training.strategy import MegatronStrategy
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="trainer.accelerator=gpu but CUDA is not available"):
+        MegatronStrategy(accelerator_kind="gpu")
+
+
 # ---- model_transform inside configure_model ---------------------------------------------------------------------
 def test_model_transform_applied_before_optimizer(tmp_path):
     tok = tiny_tokenizer()

@@ -34,12 +34,13 @@ def tp_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
     """Global L2 norm of gradients: TP-sharded parameters summed over the TP group, replicated ones counted once."""
     from megatron.core import parallel_state as ps
 
-    sharded = torch.zeros((), dtype=torch.float32)
-    replicated = torch.zeros((), dtype=torch.float32)
+    dev = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    sharded = torch.zeros((), dtype=torch.float32, device=dev)
+    replicated = torch.zeros((), dtype=torch.float32, device=dev)
     for p in params:
         if p.grad is None:
             continue
-        sq = p.grad.detach().float().pow(2).sum().cpu()
+        sq = p.grad.detach().float().pow(2).sum()
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
@@ -195,16 +196,20 @@ class SpeculativeLightningModule(pl.LightningModule):
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Optional[float] = None,
                                     gradient_clip_algorithm: Optional[str] = None) -> None:
-        """Clip by the global (TP-aware) gradient norm, identical on every rank; logs grad_norm."""
+        """Clip to ``optim.grad_clip`` by the global (TP-aware) gradient norm, identical on every rank; logs grad_norm.
+
+        The Trainer's own gradient_clip_val is left unset (Lightning's norm would be per TP rank).
+        """
         params = list(self.trainable_parameters())
         norm = tp_grad_norm(params)
         self.log("grad_norm", norm, on_step=True, batch_size=1)
+        if gradient_clip_val is None:
+            gradient_clip_val = self.optim.grad_clip
         if gradient_clip_val and gradient_clip_val > 0:
-            coef = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)
-            if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef.to(p.grad.device))
+            coef = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)  # no host sync
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
 
     # ---- data position for exact resume -----------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:

@@ -119,7 +119,7 @@ class MegatronStrategy(SingleDeviceStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not self.distributed:
             return decision
-        t = torch.tensor(int(decision))
+        t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t)
         return bool(t.item() == dist.get_world_size()) if all else bool(t.item() > 0)
 
