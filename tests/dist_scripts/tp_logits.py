@@ -16,7 +16,8 @@ model = build_gpt(cfg)
 gated = cfg.activation == "swiglu"
 load_full_state_dict(model, blob["state_dict"], gated)
 with torch.no_grad():
-    logits = gpt_forward(model, blob["input_ids"]).logits
+    dev = next(model.parameters()).device
+    logits = gpt_forward(model, blob["input_ids"].to(dev)).logits.cpu()
 err = (logits - blob["logits"]).abs().max().item()
 regathered = gather_full_state_dict(model, gated)
 same = all(torch.equal(regathered[k], v) for k, v in blob["state_dict"].items())
