@@ -1,5 +1,4 @@
 """SpeculativeTransform / SpeculativeGPT at TP=1: structure, frozen base, idempotence, shapes, losses, errors."""
-import copy
 
 import pytest
 import torch

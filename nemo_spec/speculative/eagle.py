@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
@@ -40,7 +39,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.utils import sharded_state_dict_default
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig

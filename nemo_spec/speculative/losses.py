@@ -13,12 +13,11 @@ so the losses are identical on every TP rank and correct for vocab-parallel outp
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
-from nemo_spec.models.attention import AttnContext
 from nemo_spec.models.gpt import GPTOutput, gpt_forward
 from nemo_spec.speculative.eagle import TTTContext, ttt_mask
 

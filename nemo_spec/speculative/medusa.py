@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import sharded_state_dict_default
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig

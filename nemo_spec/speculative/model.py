@@ -5,9 +5,9 @@ import logging
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
