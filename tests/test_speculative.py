@@ -301,3 +301,21 @@ def test_nemo2_gpt_model_optional():
     model.configure_model()
     out = SpeculativeTransform(algorithm="eagle1")(model)
     assert isinstance(out.module, SpeculativeGPT)
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_gpt2_family_base(alg):
+    """Learned positions, LayerNorm, GELU, biases and tied embeddings: drafts build, run, and get gradients."""
+    torch.manual_seed(0)
+    m = SpeculativeTransform(**ALG_KWARGS[alg])(build_gpt(tiny_gpt2()))
+    x = torch.randint(0, 96, (2, 8))
+    res = m.training_losses(x)
+    res["loss"].backward()
+    assert torch.isfinite(res["loss"]) and all(p.grad is not None for p in m.draft_parameters())
+    tied = m.gpt.shared_embedding_or_output_weight()
+    assert tied.grad is None
+    if alg == "eagle3":  # head rows seeded from the tied embedding
+        assert torch.equal(m.eagle_module.output_layer.weight, tied[:48])
+    if alg == "eagle1":
+        assert isinstance(m.eagle_module.layers[0].input_layernorm, IdentityOp)
+        assert isinstance(m.eagle_module.layers[1].input_layernorm, torch.nn.LayerNorm)
