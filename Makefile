@@ -16,7 +16,7 @@ $(STAMP): setup.py requirements-cpu.txt
 venv: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
