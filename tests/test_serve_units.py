@@ -220,3 +220,38 @@ def test_benchmark_counts_exact_tokens(tok):
     assert all(r.completion_tokens == 4 * 6 for r in res)  # ignore_eos: every stream runs max_tokens
     assert res[0].speedup_vs_sequential == 1.0 and res[1].speedup_vs_sequential > 0
     assert "x_sequential" in format_table(res)
+
+
+def test_shutdown_cancels_running_generation(tok):
+    """Server shutdown stops a long generation at its next step instead of waiting for it to finish."""
+    import threading
+    import time
+
+    import httpx
+
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with live_server(tiny_model(tok, max_position_embeddings=4096), tok, name="tiny") as srv:
+        batcher = srv.manager.get("tiny").batcher
+        got = []
+
+        def client():
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                    for line in r.iter_lines():
+                        got.append(line)
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=client, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while batcher.running_rows == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        srv.manager.close()
+        assert time.monotonic() - t0 < 20 and not batcher.alive
+        t.join(30)
+        assert not t.is_alive()  # the open stream was ended, not left hanging
+    finals = [l for l in got if '"finish_reason": "cancelled"' in l]
+    assert finals and [l for l in got if l][-1] == "data: [DONE]"

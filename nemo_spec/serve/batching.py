@@ -167,6 +167,7 @@ class Batcher:
         self._drain = True
         self.running_rows = 0
         self.batches_run = 0
+        self._current: List[GenRequest] = []
         self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
@@ -187,11 +188,15 @@ class Batcher:
             self._pending.append(req)
             self._cond.notify()
 
-    def close(self, drain: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop accepting requests; with drain, finish queued ones first, else fail them; join the worker."""
+    def close(self, drain: bool = True, timeout: Optional[float] = None, cancel_running: bool = False) -> None:
+        """Stop accepting requests; with drain, finish queued ones first, else fail them; join the worker.
+        ``cancel_running`` also stops the batch in progress at its next step (server shutdown)."""
         with self._cond:
             self._closed = True
             self._drain = drain
+            if cancel_running:
+                for req in self._current:
+                    req.cancelled = True
             if not drain:
                 while self._pending:
                     req = self._pending.popleft()
@@ -240,6 +245,7 @@ class Batcher:
             batch = self._take_batch()
             if batch is None:
                 return
+            self._current = batch
             try:
                 self._execute(batch)
             except Exception as e:  # never let the worker die: report to the requests and go on
@@ -248,6 +254,7 @@ class Batcher:
                     req.emit(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 self.running_rows = 0
+                self._current = []
 
     def _execute(self, batch: List[GenRequest]) -> None:
         rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder]] = []
@@ -273,6 +280,7 @@ class Batcher:
                 done[row] = True
                 reasons[row] = "cancelled"
                 self.metrics.cancelled.inc()
+                req.emit(("finish", spec.choice, "cancelled", len(dec.tokens), {}))  # ends a stream still open
                 return False
             if req.first_token is None and len(ids) > 0:
                 req.first_token = time.monotonic()

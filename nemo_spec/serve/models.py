@@ -85,9 +85,10 @@ class ServedModel:
                 "chat_template": self.template.origin, "queue_depth": self.batcher.queue_depth(),
                 "running_rows": self.batcher.running_rows, "batches_run": self.batcher.batches_run}
 
-    def close(self, drain: bool = True) -> None:
-        """Stop the batcher (finishing or failing queued requests) and drop the weights."""
-        self.batcher.close(drain=drain)
+    def close(self, drain: bool = True, cancel_running: bool = False) -> None:
+        """Stop the batcher (finishing or failing queued requests, optionally cancelling the running batch)
+        and drop the weights."""
+        self.batcher.close(drain=drain, cancel_running=cancel_running)
         self.batcher.engine = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         self.draft_model = None
@@ -222,4 +223,4 @@ class ModelManager:
         with self._admin_lock:
             models, self._models = list(self._models.values()), {}
         for m in models:
-            m.close(drain=False)
+            m.close(drain=False, cancel_running=True)
