@@ -8,7 +8,7 @@ generation, a :class:`KVCache` plus the cache slots the new keys/values are writ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -39,11 +39,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple:
+    """cos/sin tables [b, 1, s, d] (fp32) for positions [b, s]."""
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
+               cos_sin: Optional[tuple] = None) -> torch.Tensor:
     """Rotate ``x`` [b, heads, s, d] by positions [b, s] (non-interleaved halves, as Llama)."""
-    freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(x.device)[None, None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, d]
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(position_ids, inv_freq)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
@@ -130,6 +136,15 @@ class AttnContext:
     cache: Optional[KVCache] = None
     write_slots: Optional[torch.Tensor] = None
     kv_len: int = 0
+    rope_cache: Dict[Any, tuple] = field(default_factory=dict, repr=False, compare=False)
+
+    def rope(self, inv_freq: torch.Tensor) -> tuple:
+        """cos/sin for this context's positions, computed once per forward and shared by all layers."""
+        key = (inv_freq.shape[0], float(inv_freq[-1]))
+        cs = self.rope_cache.get(key)
+        if cs is None:
+            cs = self.rope_cache[key] = rope_cos_sin(self.position_ids, inv_freq)
+        return cs
 
 
 class SDPACoreAttention(MegatronModule):
@@ -159,9 +174,13 @@ class SDPACoreAttention(MegatronModule):
         v = value.permute(1, 2, 0, 3)
         ctx = attention_mask if isinstance(attention_mask, AttnContext) else None
         if self.use_rope:
-            pos = ctx.position_ids if ctx is not None else torch.arange(sq, device=q.device)[None].expand(b, sq)
-            q = apply_rope(q, pos, self.inv_freq)
-            k = apply_rope(k, pos, self.inv_freq)
+            if ctx is not None:
+                pos, cs = ctx.position_ids, ctx.rope(self.inv_freq)
+            else:
+                pos = torch.arange(sq, device=q.device)[None].expand(b, sq)
+                cs = rope_cos_sin(pos, self.inv_freq)
+            q = apply_rope(q, pos, self.inv_freq, cs)
+            k = apply_rope(k, pos, self.inv_freq, cs)
         mask = None
         is_causal = False
         if ctx is not None and ctx.cache is not None:
