@@ -257,6 +257,7 @@ def test_hydra_compose_maps_onto_typed_config():
         typed_config(compose(["data.path=/d"]))
 
 
+@pytest.mark.slow
 def test_script_end_to_end(base, tmp_path):
     model_path, data = base
     env = {k: v for k, v in os.environ.items()
@@ -277,6 +278,7 @@ def test_script_end_to_end(base, tmp_path):
 
 
 # ---- torchrun: TP=2 and DP=2 --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_tp2_and_dp2_training(base, tmp_path):
     """TP=2 trains/checkpoints/resumes; DP=2 (micro 2 per rank) equals 1 process accumulating 2 micro-batches."""
     from tests.helpers import run_torchrun
@@ -302,3 +304,15 @@ def test_benchmark_reports_ratio():
 
     r = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2)
     assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_training(base, tmp_path):
+    """trainer=gpu: bf16 autocast on CUDA, loss falls (skipped on CPU-only machines)."""
+    model_path, data = base
+    cfg = small_train_config(tmp_path / "gpu", "eagle3", steps=24, accelerator="gpu", precision="bf16-mixed")
+    cfg.model_path, cfg.data.path, cfg.optim.lr = str(model_path), str(data), 1e-2
+    res = train(cfg, save_final=False)
+    assert next(res.module.model.draft.parameters()).is_cuda
+    losses = _metric(cfg.run_dir, "train_loss")
+    assert sum(losses[-4:]) < sum(losses[:4])
