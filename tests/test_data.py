@@ -183,3 +183,16 @@ def test_writer_roundtrip_is_atomic(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["out.jsonl"]
     back = read_conversations(out, "daring_anteater", strict=True)
     assert [(r["id"], r["system"], r["turns"]) for r in back] == [(r["id"], r["system"], r["turns"]) for r in recs]
+
+
+def test_text_format_chunks_with_loss_on_all(tok):
+    cfg = DataConfig(path=str(FIXTURES / "text_dir"), format="text", max_seq_len=16, loss_on="all",
+                     val_fraction=0.5, seed=0)
+    dm = SpecDataModule(cfg, tok, micro_batch_size=1)
+    dm.setup()
+    assert len(dm.train_set) >= 1 and len(dm.val_set) >= 1 and len(dm.val_records) == 1
+    assert all(s.input_ids.numel() <= 16 and bool(s.loss_mask.all()) for s in dm.train_set.samples)
+    prompts = dm.val_prompts(2)
+    assert prompts and all(4 <= len(p) <= 8 for p in prompts)
+    with pytest.raises(EmptyDatasetError, match="no files with suffix"):
+        read_conversations(FIXTURES / "text_dir", "daring_anteater")
