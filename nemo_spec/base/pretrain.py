@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -160,7 +160,7 @@ class PretrainModule(L.LightningModule):
 
 def pretrain(model_config: ModelConfig, train: TrainConfig, train_stream: torch.Tensor,
              heldout_stream: torch.Tensor, seed: int, log_dir: Optional[Path] = None,
-             progress: bool = True) -> tuple:
+             progress: bool = True) -> Tuple[PretrainModule, Dict[str, Any]]:
     """Pretrain a fresh GPT on ``train_stream``; returns ``(module, metrics)`` with the held-out loss."""
     L.seed_everything(seed, workers=True, verbose=False)
     train_ds = PackedSequences(train_stream, train.seq_len)

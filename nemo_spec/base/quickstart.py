@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence
 
 from nemo_spec.base.build import BaseModel, build_base, resolve_cache_dir
 from nemo_spec.config import ConfigError
