@@ -17,6 +17,18 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def dataclass_from_dict(cls: type, d: Dict[str, Any], source: str = "<dict>") -> Any:
+    """Build dataclass ``cls`` from a (deep-copied) dict; unknown or ill-typed fields -> ConfigError naming ``source``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**copy.deepcopy(dict(d)))
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
 @dataclass
 class ModelConfig:
     """Architecture of a GPT model (Llama family or GPT-2 family)."""
@@ -89,14 +101,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "ModelConfig":
         """Build from a dict, rejecting unknown fields with a message naming ``source``."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown ModelConfig field(s) {unknown}")
-        try:
-            return cls(**copy.deepcopy(d))
-        except TypeError as e:
-            raise ConfigError(f"{source}: {e}") from e
+        return dataclass_from_dict(cls, d, source)
 
 
 ALGORITHMS = ("eagle1", "eagle3", "medusa")
@@ -151,11 +156,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "SpeculativeConfig":
         """Build from a dict, rejecting unknown fields."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown SpeculativeConfig field(s) {unknown}")
-        return cls(**copy.deepcopy(d))
+        return dataclass_from_dict(cls, d, source)
 
 
 def dump_json(obj: Dict[str, Any]) -> str:

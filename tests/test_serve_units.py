@@ -174,7 +174,7 @@ def test_serve_config_errors_name_the_field():
         ModelSpec(name="m", path="/x", method="draft_model").validate()
     with pytest.raises(ConfigError, match="max_batch"):
         ModelSpec(name="m", path="/x", max_batch=0).validate()
-    with pytest.raises(ConfigError, match="unknown model key"):
+    with pytest.raises(ConfigError, match="unknown ModelSpec field"):
         ModelSpec.from_dict({"name": "m", "pth": "/x"})
     with pytest.raises(ConfigError, match="unknown serve key"):
         ServeConfig.from_dict({"hots": "0.0.0.0"})

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from nemo_spec.config import ConfigError
+from nemo_spec.config import ConfigError, dataclass_from_dict
 
 METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,11 +52,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "ModelSpec":
         """Build from a dict, rejecting unknown keys with a message naming ``source``."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown model key(s) {unknown}; known: {sorted(known)}")
-        return cls(**copy.deepcopy(dict(d))).validate()
+        return dataclass_from_dict(cls, d, source).validate()
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-JSON representation."""
