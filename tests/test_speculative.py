@@ -319,3 +319,18 @@ def test_gpt2_family_base(alg):
     if alg == "eagle1":
         assert isinstance(m.eagle_module.layers[0].input_layernorm, IdentityOp)
         assert isinstance(m.eagle_module.layers[1].input_layernorm, torch.nn.LayerNorm)
+
+
+def test_reapply_ignores_fields_of_other_algorithms():
+    """A checkpoint's EAGLE-3 draft re-transformed with a config whose Medusa fields differ is a no-op."""
+    from nemo_spec.config import SpeculativeConfig
+    from nemo_spec.models import build_gpt
+    from nemo_spec.speculative import SpeculativeTransform
+    from tests.helpers import tiny_llama
+
+    spec = SpeculativeTransform(config=SpeculativeConfig(algorithm="eagle3", num_eagle_layers=1, num_medusa_heads=0))(
+        build_gpt(tiny_llama()))
+    again = SpeculativeTransform(config=SpeculativeConfig(algorithm="eagle3", num_eagle_layers=1, num_medusa_heads=4))(spec)
+    assert again is spec
+    with pytest.raises(Exception, match="num_eagle_layers"):
+        SpeculativeTransform(config=SpeculativeConfig(algorithm="eagle3", num_eagle_layers=2))(spec)

@@ -25,9 +25,13 @@ from nemo_spec.speculative.model import SpeculativeGPT
 
 log = logging.getLogger(__name__)
 
-# Fields that define the draft's architecture: a second transform must agree on these.
-ARCH_FIELDS = ("algorithm", "num_eagle_layers", "num_medusa_heads", "num_medusa_layers", "draft_vocab_size",
-               "aux_layers")
+# Fields that define each algorithm's draft architecture: a second transform must agree on these
+# (fields another algorithm uses, e.g. num_medusa_heads for an EAGLE draft, are ignored).
+ARCH_FIELDS = {
+    "eagle1": ("num_eagle_layers",),
+    "eagle3": ("num_eagle_layers", "draft_vocab_size", "aux_layers"),
+    "medusa": ("num_medusa_heads", "num_medusa_layers"),
+}
 
 
 def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
@@ -144,7 +148,7 @@ class SpeculativeTransform:
         if old.algorithm != new.algorithm:
             raise ConfigError(f"model already carries a {old.algorithm} draft; refusing to stack {new.algorithm} on it")
         new_checked = self.validate_for(model.model_config, parallel.tp_size())
-        diff = [f for f in ARCH_FIELDS if getattr(old, f) != getattr(new_checked, f)
+        diff = [f for f in ARCH_FIELDS[old.algorithm] if getattr(old, f) != getattr(new_checked, f)
                 and not (f == "aux_layers" and new_checked.aux_layers is None)
                 and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)]
         if diff:
