@@ -39,6 +39,7 @@ from nemo_spec.export.formats import (
     hf_dtype_name,
     load_tensors,
     parse_dtype,
+    publish_directory,
     read_json,
     save_safetensors,
     write_json,
@@ -187,22 +188,6 @@ def _new_tmp_dir(target: Path) -> Path:
     return Path(_broadcast(str(path) if path else None))
 
 
-def _publish(tmp: Path, target: Path) -> None:
-    """Move the finished ``tmp`` dir to ``target``, replacing (after the move succeeded) any old content."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        if old is not None:
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------------------ writers
 def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
                  embedding: Optional[torch.Tensor]) -> Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]:
@@ -329,7 +314,7 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
             }
             write_json(tmp / EXPORT_INFO, info)
             (tmp / "README.md").write_text(render_readme(target, info))
-            _publish(tmp, target)
+            publish_directory(tmp, target)
 
         _on_rank0(write_rest, f"export to {target}")
     finally:

@@ -225,17 +225,25 @@ def atomic_directory(path: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
     try:
-        os.replace(tmp, path)
+        publish_directory(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s", path)
+
+
+def publish_directory(tmp: Path, target: Path) -> None:
+    """Move the finished ``tmp`` dir to ``target``; old content is removed only after the move succeeded."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
     except BaseException:
         if old is not None:
-            os.replace(old, path)
-        shutil.rmtree(tmp, ignore_errors=True)
+            os.replace(old, target)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    log.info("wrote %s", path)

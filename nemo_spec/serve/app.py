@@ -35,8 +35,8 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
 
 # ---------------------------------------------------------------- helpers
 
-async def parse_body(request: Request, cls: Type[T]) -> T:
-    """Read and validate a JSON body; malformed JSON or invalid fields -> 400 with the offending param."""
+async def read_json_object(request: Request) -> Dict[str, Any]:
+    """The request body as a JSON object; malformed JSON or a non-object -> 400 invalid_json."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -44,6 +44,12 @@ async def parse_body(request: Request, cls: Type[T]) -> T:
         raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
     if not isinstance(data, dict):
         raise P.invalid("The request body must be a JSON object", code="invalid_json")
+    return data
+
+
+async def parse_body(request: Request, cls: Type[T]) -> T:
+    """Read and validate a JSON body; malformed JSON or invalid fields -> 400 with the offending param."""
+    data = await read_json_object(request)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -421,13 +427,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         return JSONResponse({"models": [m.describe() for m in manager.all()]})
 
     async def _load(request: Request, replace: bool) -> JSONResponse:
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
-        if not isinstance(data, dict):
-            raise P.invalid("The request body must be a JSON object", code="invalid_json")
+        data = await read_json_object(request)
         try:
             spec = ModelSpec.from_dict(data, "admin request")
         except (ConfigError, TypeError) as e:
