@@ -268,3 +268,39 @@ def test_medusa_custom_choices_and_tree_options(llama, trained):
                     options={"depth": 4, "top_k": 2, "total_tokens": 6})
     assert [o.tokens for o in outs] == ref
     assert all(o.stats["draft_forwards"] >= 4 * (o.stats["target_forwards"] - 1) for o in outs)
+
+
+def test_seeded_prompt_lookup_row_does_not_depend_on_its_batch():
+    """Prompt lookup drafts a different number of tokens per row; a seeded row must sample the same alone or batched."""
+    import torch as _t
+
+    from nemo_spec.inference import SamplingParams as _SP, generate as _gen
+    from nemo_spec.models import build_gpt as _build
+    from tests.helpers import tiny_llama as _tiny
+
+    _t.manual_seed(0)
+    m = _build(_tiny()).eval()
+    a = [1, 2, 3, 1, 2, 3, 1, 2]
+    b = [4, 5] * 8 + [4]
+    sp = _SP(temperature=1.0, seed=123, max_new_tokens=20)
+    alone = _gen(m, [a], sp, method="prompt_lookup", options={"ignore_eos": True})[0].tokens
+    batched = _gen(m, [a, b], sp, method="prompt_lookup", options={"ignore_eos": True})[0].tokens
+    assert alone == batched
+
+
+def test_draft_model_context_is_checked_per_row():
+    """A long prompt with few new tokens and a short prompt with many fit a draft context that their maxima exceed."""
+    import torch as _t
+
+    from nemo_spec.inference import SamplingParams as _SP, generate as _gen
+    from nemo_spec.models import build_gpt as _build
+    from tests.helpers import tiny_llama as _tiny
+
+    _t.manual_seed(0)
+    target = _build(_tiny()).eval()
+    draft = _build(_tiny(num_layers=1, max_position_embeddings=64)).eval()
+    prompts = [list(range(1, 51)), [1, 2, 3, 4, 5]]
+    params = [_SP(max_new_tokens=5), _SP(max_new_tokens=50)]
+    spec = _gen(target, prompts, params, method="draft_model", draft_model=draft, options={"ignore_eos": True})
+    ar = _gen(target, prompts, params, method="ar", options={"ignore_eos": True})
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]

@@ -208,7 +208,8 @@ class Engine:
             sidx = torch.tensor(samp_rows, device=dev)
             probs = warp_rows(logits[sidx], [st.params[r] for r in samp_rows]).cpu()
             qs = None if tree.q is None else tree.q[sidx].float().cpu()
-            us = st.rng.uniform(n + 2, samp_rows).tolist()
+            # each row draws uniforms for its own draft size only, so a seeded row does not depend on its batch
+            us = {r: st.rng.uniform(sum(val_l[r]) + 1, [r])[0].tolist() for r in samp_rows}
             srow = {r: i for i, r in enumerate(samp_rows)}
         paths: List[List[int]] = [[] for _ in range(b)]
         emitted: List[List[int]] = [[] for _ in range(b)]
@@ -218,7 +219,7 @@ class Engine:
                 path, nxt = greedy_tree_accept(argmax[r], tok_l[r], kids)
             else:
                 i = srow[r]
-                path, nxt = tree_accept(probs[i], tok_l[r], kids, None if qs is None else qs[i], iter(us[i]))
+                path, nxt = tree_accept(probs[i], tok_l[r], kids, None if qs is None else qs[i], iter(us[r]))
             paths[r] = [0] + path
             emitted[r] = [tok_l[r][i] for i in path] + [nxt]
             st.target_forwards[r] += 1

@@ -129,9 +129,10 @@ class DraftModelProposer(ARProposer):
 
     def prefill(self, eng: Engine, st: BatchState, tokens, lens, out, need) -> None:
         """Prefill the draft's own cache with the prompts (same left padding)."""
-        if max(len(p) for p in st.prompts) + max(p.max_new_tokens for p in st.params) > self.dcfg.max_position_embeddings:
+        need_pos = max(len(p) + sp.max_new_tokens for p, sp in zip(st.prompts, st.params))
+        if need_pos > self.dcfg.max_position_embeddings:
             raise SamplingError(f"draft model context max_position_embeddings={self.dcfg.max_position_embeddings} "
-                                "is too short for prompt + max_new_tokens")
+                                f"is too short for prompt + max_new_tokens ({need_pos} positions)")
         self.cache = eng.cache(("draft_model", id(self.draft)), st.b, need,
                                lambda bb, ll: new_kv_cache(self.draft, bb, ll))
         ctx = prefill_context(self.cache, lens, tokens.shape[1])
