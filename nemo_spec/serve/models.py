@@ -146,6 +146,8 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
     if draft_model is not None:
         draft_model = draft_model.to(dtype).eval()
     limit = _model_max_len(model)
+    if draft_model is not None:  # draft-model speculation needs every position in the draft's context too
+        limit = min(limit, _model_max_len(draft_model))
     max_context = spec.max_context or limit
     if max_context > limit:
         raise ConfigError(f"serve model {spec.name!r}: max_context={max_context} exceeds the model's "
