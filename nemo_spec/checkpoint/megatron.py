@@ -281,7 +281,12 @@ def _commit(tmp: Path, target: Path, overwrite: bool) -> None:
         if old.exists():
             shutil.rmtree(old)
         os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None:  # put the previous checkpoint back under its own name
+            os.replace(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
