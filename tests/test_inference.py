@@ -304,3 +304,21 @@ def test_draft_model_context_is_checked_per_row():
     spec = _gen(target, prompts, params, method="draft_model", draft_model=draft, options={"ignore_eos": True})
     ar = _gen(target, prompts, params, method="ar", options={"ignore_eos": True})
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
+
+
+def test_cache_recreated_when_model_dtype_changes():
+    """A cached KV cache is not reused after the model's dtype changes (it would silently keep the old dtype)."""
+    import torch as _t
+
+    from nemo_spec.inference import SamplingParams as _SP, generate as _gen
+    from nemo_spec.inference.generate import _ENGINES
+    from nemo_spec.models import build_gpt as _build
+    from tests.helpers import tiny_llama as _tiny
+
+    _t.manual_seed(0)
+    m = _build(_tiny()).eval()
+    _gen(m, [[1, 2, 3]], _SP(max_new_tokens=4))
+    assert _ENGINES[m].caches["target"].k.dtype == _t.float32
+    m.to(_t.bfloat16)
+    _gen(m, [[1, 2, 3]], _SP(max_new_tokens=4))
+    assert _ENGINES[m].caches["target"].k.dtype == _t.bfloat16

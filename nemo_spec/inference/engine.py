@@ -111,15 +111,21 @@ class Engine:
         self.target = unwrap(model)
         self.cfg = model_config(model)
         self.caches: Dict[Any, KVCache] = {}
-        p = next(self.target.parameters())
-        self.device = p.device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the target model lives now (read on every use: the model may have been moved)."""
+        return next(self.target.parameters()).device
 
     def cache(self, key: Any, batch_size: int, max_len: int, factory: Callable[[int, int], KVCache]) -> KVCache:
-        """A reset cache for (key, batch, >= max_len); a new one when batch size or needed length changes."""
+        """A reset cache for (key, batch, >= max_len); a new one when batch size, length, layout, dtype or device change."""
         c = self.caches.get(key)
         if c is not None and c.batch_size == batch_size and c.max_len >= max_len:
-            c.reset()
-            return c
+            probe = factory(1, 1)  # what the model needs now (layers, heads, head dim, dtype, device)
+            if (c.k.shape[0] == probe.k.shape[0] and c.k.shape[3:] == probe.k.shape[3:]
+                    and c.k.dtype == probe.k.dtype and c.k.device == probe.k.device):
+                c.reset()
+                return c
         if c is not None:
             log.debug("re-creating KV cache %s: batch %d->%d, length %d->%d", key, c.batch_size, batch_size,
                       c.max_len, max_len)
