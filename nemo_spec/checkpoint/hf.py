@@ -485,7 +485,7 @@ def check_hf_shapes(shapes: Mapping[str, Tuple[int, ...]], cfg: ModelConfig, mod
                                     f"{_MODEL_TYPE_TO_ARCH[model_type]} with this config.json")
 
 
-def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     """Fuse q [nq*d, ...], k/v [ng*d, ...] into megatron's per-query-group layout."""
     per = heads // groups
     rest = q.shape[1:]
@@ -495,7 +495,7 @@ def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest).contiguous()
 
 
-def _qkv_from_megatron(qkv: torch.Tensor, heads: int, groups: int, head_dim: int
+def qkv_from_megatron(qkv: torch.Tensor, heads: int, groups: int, head_dim: int
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split megatron's per-query-group fused QKV into q, k, v."""
     per = heads // groups
@@ -531,8 +531,8 @@ def megatron_state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: ModelCon
                 sd[m + ours + ".bias"] = get(p + theirs + ".bias")
             w = get(p + "attn.c_attn.weight").t()  # [3h, h] rows [q; k; v]
             b = get(p + "attn.c_attn.bias")
-            sd[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(*w.chunk(3, 0), nq, nq)
-            sd[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(*b.chunk(3, 0), nq, nq)
+            sd[m + "self_attention.linear_qkv.weight"] = qkv_to_megatron(*w.chunk(3, 0), nq, nq)
+            sd[m + "self_attention.linear_qkv.bias"] = qkv_to_megatron(*b.chunk(3, 0), nq, nq)
             sd[m + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t().contiguous()
             sd[m + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
             sd[m + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t().contiguous()
@@ -549,10 +549,10 @@ def megatron_state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: ModelCon
             pm = f"model.layers.{i}.mlp."
             sd[m + "input_layernorm.weight"] = get(f"model.layers.{i}.input_layernorm.weight")
             sd[m + "pre_mlp_layernorm.weight"] = get(f"model.layers.{i}.post_attention_layernorm.weight")
-            sd[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+            sd[m + "self_attention.linear_qkv.weight"] = qkv_to_megatron(
                 get(p + "q_proj.weight"), get(p + "k_proj.weight"), get(p + "v_proj.weight"), nq, ng)
             if cfg.add_qkv_bias or cfg.add_bias_linear:
-                sd[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
+                sd[m + "self_attention.linear_qkv.bias"] = qkv_to_megatron(
                     get(p + "q_proj.bias", (nq * d,)), get(p + "k_proj.bias", (ng * d,)),
                     get(p + "v_proj.bias", (ng * d,)), nq, ng)
             sd[m + "self_attention.linear_proj.weight"] = get(p + "o_proj.weight")
@@ -587,9 +587,9 @@ def hf_state_dict_from_megatron(full_sd: Mapping[str, torch.Tensor], cfg: ModelC
             for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
                 out[p + theirs + ".weight"] = get(m + ours + ".weight")
                 out[p + theirs + ".bias"] = get(m + ours + ".bias")
-            q, k, v = _qkv_from_megatron(get(m + "self_attention.linear_qkv.weight"), nq, nq, d)
+            q, k, v = qkv_from_megatron(get(m + "self_attention.linear_qkv.weight"), nq, nq, d)
             out[p + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t()
-            q, k, v = _qkv_from_megatron(get(m + "self_attention.linear_qkv.bias"), nq, nq, d)
+            q, k, v = qkv_from_megatron(get(m + "self_attention.linear_qkv.bias"), nq, nq, d)
             out[p + "attn.c_attn.bias"] = torch.cat([q, k, v], 0)
             out[p + "attn.c_proj.weight"] = get(m + "self_attention.linear_proj.weight").t()
             out[p + "attn.c_proj.bias"] = get(m + "self_attention.linear_proj.bias")
@@ -605,11 +605,11 @@ def hf_state_dict_from_megatron(full_sd: Mapping[str, torch.Tensor], cfg: ModelC
             p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
             out[p + "input_layernorm.weight"] = get(m + "input_layernorm.weight")
             out[p + "post_attention_layernorm.weight"] = get(m + "pre_mlp_layernorm.weight")
-            q, k, v = _qkv_from_megatron(get(m + "self_attention.linear_qkv.weight"), nq, ng, d)
+            q, k, v = qkv_from_megatron(get(m + "self_attention.linear_qkv.weight"), nq, ng, d)
             out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                         p + "self_attn.v_proj.weight": v})
             if cfg.add_qkv_bias or cfg.add_bias_linear:
-                q, k, v = _qkv_from_megatron(get(m + "self_attention.linear_qkv.bias"), nq, ng, d)
+                q, k, v = qkv_from_megatron(get(m + "self_attention.linear_qkv.bias"), nq, ng, d)
                 out.update({p + "self_attn.q_proj.bias": q, p + "self_attn.k_proj.bias": k,
                             p + "self_attn.v_proj.bias": v})
             out[p + "self_attn.o_proj.weight"] = get(m + "self_attention.linear_proj.weight")

@@ -20,6 +20,8 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
+from nemo_spec.checkpoint.hf import qkv_from_megatron, qkv_to_megatron
+
 log = logging.getLogger(__name__)
 
 
@@ -53,30 +55,20 @@ def hf_dtype_name(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------- QKV / MLP
 def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> Tuple[torch.Tensor, ...]:
     """Megatron fused per-group QKV weight/bias [(H+2G)*d, ...] -> (q [H*d, ...], k [G*d, ...], v [G*d, ...])."""
-    per = num_heads // num_groups
     rows = (num_heads + 2 * num_groups) * head_dim
     if w.shape[0] != rows:
         raise ExportError(f"fused QKV has {w.shape[0]} rows, expected (heads {num_heads} + 2*groups {num_groups})"
                           f" * head_dim {head_dim} = {rows}")
-    g = w.reshape(num_groups, (per + 2) * head_dim, *w.shape[1:])
-    q = g[:, : per * head_dim].reshape(num_heads * head_dim, *w.shape[1:])
-    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(num_groups * head_dim, *w.shape[1:])
-    v = g[:, (per + 1) * head_dim:].reshape(num_groups * head_dim, *w.shape[1:])
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    return qkv_from_megatron(w, num_heads, num_groups, head_dim)
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
               head_dim: int) -> torch.Tensor:
     """Inverse of :func:`split_qkv`: HF q/k/v -> Megatron fused per-group QKV."""
-    per = num_heads // num_groups
-    tail = q.shape[1:]
     for name, t, n in (("q_proj", q, num_heads), ("k_proj", k, num_groups), ("v_proj", v, num_groups)):
         if t.shape[0] != n * head_dim:
             raise ExportError(f"{name} has {t.shape[0]} rows, expected {n} heads * head_dim {head_dim}")
-    qg = q.reshape(num_groups, per * head_dim, *tail)
-    kg = k.reshape(num_groups, head_dim, *tail)
-    vg = v.reshape(num_groups, head_dim, *tail)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail).contiguous()
+    return qkv_to_megatron(q, k, v, num_heads, num_groups)
 
 
 def split_gated(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
