@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 import torch
 
 from nemo_spec import parallel
+from nemo_spec.fsutil import publish_directory
 from nemo_spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -744,13 +745,7 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
             out.rmdir()
         elif not overwrite:
             raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
-        else:
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, trash)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-    os.replace(tmp, out)
+    publish_directory(tmp, out)
 
 
 def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional[PathLike] = None,

@@ -39,12 +39,12 @@ from nemo_spec.export.formats import (
     hf_dtype_name,
     load_tensors,
     parse_dtype,
-    publish_directory,
     read_json,
     save_safetensors,
     write_json,
 )
 from nemo_spec.export.readme import render_readme
+from nemo_spec.fsutil import publish_directory
 
 log = logging.getLogger(__name__)
 

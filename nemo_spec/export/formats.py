@@ -21,6 +21,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 import torch
 
 from nemo_spec.checkpoint.hf import qkv_from_megatron, qkv_to_megatron
+from nemo_spec.fsutil import publish_directory
 
 log = logging.getLogger(__name__)
 
@@ -223,19 +224,3 @@ def atomic_directory(path: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("wrote %s", path)
-
-
-def publish_directory(tmp: Path, target: Path) -> None:
-    """Move the finished ``tmp`` dir to ``target``; old content is removed only after the move succeeded."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        if old is not None:
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,26 @@
+"""Filesystem helpers shared by checkpoint saving and export: atomic directory publication."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def publish_directory(tmp: Path, target: Path) -> None:
+    """Move the finished ``tmp`` dir to ``target``; old content is removed only after the move succeeded.
+
+    If the final rename fails, the previous ``target`` is put back under its own name.
+    """
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
