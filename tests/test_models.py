@@ -78,3 +78,40 @@ def test_tp2_logits_equal_tp1(make, tmp_path):
     torch.save({"config": cfg.to_dict(), "state_dict": sd, "input_ids": x, "logits": logits}, path)
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "tp_logits.py", [path])
     assert "TP2_MAX_ERR" in out
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: tiny_llama(num_query_groups=4, add_qkv_bias=True)])
+def test_fast_inference_path_matches_module_forward(make):
+    """The lean inference path (models/fastpath.py) computes what the megatron modules compute: full causal
+    forward, and cached decoding with a tree-style explicit mask, with the same aux features."""
+    from nemo_spec.models import fastpath
+
+    torch.manual_seed(0)
+    m = build_gpt(make()).eval()
+    for p in m.parameters():  # non-zero biases so that every bias term is exercised
+        if p.dim() == 1:
+            torch.nn.init.normal_(p, std=0.1)
+    x = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        ref = gpt_forward(m, x, aux_layers=[0], fast=False)
+        got = gpt_forward(m, x, aux_layers=[0], fast=True)
+        assert fastpath.active() and all(fastpath.supported(layer) for layer in m.decoder.layers)
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.aux_hidden[0], ref.aux_hidden[0], rtol=1e-5, atol=1e-5)
+        outs = {}
+        for fast in (False, True):
+            cache = new_kv_cache(m, batch_size=2, max_len=16)
+            pre = AttnContext(position_ids=torch.arange(6)[None].expand(2, 6), cache=cache,
+                              write_slots=torch.arange(6)[None].expand(2, 6), kv_len=6,
+                              mask=torch.ones(6, 6, dtype=torch.bool).tril()[None].expand(2, 6, 6))
+            gpt_forward(m, x[:, :6], pre, fast=fast)
+            cache.lengths += 6
+            # a 3-node tree after the prefix: node 0 root, nodes 1 and 2 both children of node 0
+            anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), anc], 1)[None].expand(2, 3, 9)
+            ctx = AttnContext(position_ids=torch.tensor([[6, 7, 7]]).expand(2, 3), mask=mask, cache=cache,
+                              write_slots=torch.arange(6, 9)[None].expand(2, 3), kv_len=9)
+            outs[fast] = gpt_forward(m, x[:, 6:9], ctx, fast=fast).logits
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    # with gradients on, the module forward is used (training never takes the fast path)
+    assert not fastpath.active()

@@ -5,11 +5,13 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
 from nemo_spec._cpu import apply_cpu_workarounds, default_device
 from nemo_spec.config import ModelConfig
+from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, KVCache
 from nemo_spec.models.spec import layer_spec, transformer_config
 from nemo_spec import parallel
@@ -78,38 +80,47 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
 
 
-def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor) -> torch.Tensor:
+def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor, fast: bool = False) -> torch.Tensor:
     """Apply the (possibly tied, vocab-parallel) output layer to final-normed hidden [s, b, h]; local logits [s, b, V/tp]."""
     m = unwrap(model)
     weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
+    if fast:
+        return F.linear(hidden_sbh, m.output_layer.weight if weight is None else weight, m.output_layer.bias)
     logits, _ = m.output_layer(hidden_sbh, weight=weight)
     return logits
 
 
 def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[AttnContext] = None,
                 aux_layers: Sequence[int] = (), compute_logits: bool = True,
-                gather: bool = True) -> GPTOutput:
+                gather: bool = True, fast: Optional[bool] = None) -> GPTOutput:
     """Run the base model on input_ids [b, s] with explicit positions/mask/cache (ctx); [b, s, ...] outputs.
 
     ``aux_layers`` are 0-based layer indices whose outputs are returned (EAGLE-3 features).
     ``gather=False`` keeps vocab-parallel logits local to the TP rank.
+    ``fast``: evaluate the layers with :mod:`nemo_spec.models.fastpath` (default: when gradients are off).
     """
     m = unwrap(model)
     b, s = input_ids.shape
+    fast = fastpath.active() if fast is None else fast
     if ctx is None:
         ctx = AttnContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s))
-    h = m.embedding(input_ids=input_ids, position_ids=ctx.position_ids)  # [s, b, h]
+    h = fastpath.embed(m, input_ids, ctx.position_ids) if fast else None
+    if h is None:
+        h = m.embedding(input_ids=input_ids, position_ids=ctx.position_ids)  # [s, b, h]
     aux: List[torch.Tensor] = []
     want = set(aux_layers)
     for i, layer in enumerate(m.decoder.layers):
-        h, _ = layer(hidden_states=h, attention_mask=ctx)
+        if fast:
+            h = fastpath.layer_forward(layer, h, ctx)
+        else:
+            h, _ = layer(hidden_states=h, attention_mask=ctx)
         if i in want:
             aux.append(h)
     if m.decoder.final_layernorm is not None:
-        h = m.decoder.final_layernorm(h)
+        h = fastpath.norm(m.decoder.final_layernorm, h) if fast else m.decoder.final_layernorm(h)
     logits = None
     if compute_logits:
-        logits = output_logits(m, h)
+        logits = output_logits(m, h, fast=fast)
         if gather:
             logits = gather_vocab(logits)
         logits = logits.transpose(0, 1)

@@ -43,6 +43,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope
 from nemo_spec.models.gpt import gather_vocab, output_logits
 from nemo_spec.models.spec import layer_spec, transformer_config
@@ -185,25 +186,44 @@ class EagleDraft(MegatronModule):
     def forward(self, base: torch.nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor,
                 ctx: Optional[AttnContext] = None, gather: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd])."""
-        emb = base.embedding.word_embeddings(input_ids.t())  # [s, b, h]
+        fast = fastpath.active()  # generation: the lean path through the same modules (see models/fastpath.py)
+        if fast and parallel.tp_size() == 1:
+            emb = F.embedding(input_ids.t(), base.embedding.word_embeddings.weight)
+        else:
+            emb = base.embedding.word_embeddings(input_ids.t())  # [s, b, h]
         feat = hidden.transpose(0, 1).to(emb.dtype)
         if self.algorithm == "eagle1":
             x = self.fc(torch.cat([emb, feat], dim=-1))
             for layer in self.layers:
-                x, _ = layer(hidden_states=x, attention_mask=ctx)
-            logits = output_logits(base, x)
+                x = self._layer(layer, x, ctx, fast)
+            logits = output_logits(base, x, fast=fast)
         else:
-            x = self._eagle3_first_layer(emb, feat, ctx)
+            x = self._eagle3_first_layer(emb, feat, ctx, fast)
             for layer in self.layers[1:]:
-                x, _ = layer(hidden_states=x, attention_mask=ctx)
-            logits, _ = self.output_layer(self.final_layernorm(x))
+                x = self._layer(layer, x, ctx, fast)
+            if fast:
+                logits = fastpath.column(self.output_layer, fastpath.norm(self.final_layernorm, x))
+            else:
+                logits, _ = self.output_layer(self.final_layernorm(x))
         if gather:
             logits = gather_vocab(logits)
         return x.transpose(0, 1), logits.transpose(0, 1)
 
-    def _eagle3_first_layer(self, emb: torch.Tensor, feat: torch.Tensor, ctx: Optional[AttnContext]) -> torch.Tensor:
+    @staticmethod
+    def _layer(layer: TransformerLayer, x: torch.Tensor, ctx: Optional[AttnContext], fast: bool) -> torch.Tensor:
+        if fast:
+            return fastpath.layer_forward(layer, x, ctx)
+        x, _ = layer(hidden_states=x, attention_mask=ctx)
+        return x
+
+    def _eagle3_first_layer(self, emb: torch.Tensor, feat: torch.Tensor, ctx: Optional[AttnContext],
+                            fast: bool = False) -> torch.Tensor:
         """EAGLE-3 midlayer: attention over cat(norm(embed), hidden_norm(feature)) with the feature as residual."""
         layer: TransformerLayer = self.layers[0]
+        if fast and fastpath.supported(layer):
+            x = torch.cat([fastpath.norm(layer.input_layernorm, emb), fastpath.norm(layer.hidden_norm, feat)], dim=-1)
+            h = feat + fastpath.self_attention(layer.self_attention, x, ctx)
+            return fastpath.mlp_block(layer, h)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feat)], dim=-1)
         attn = layer.self_attention(x, attention_mask=ctx)
         h = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(attn, feat, layer.hidden_dropout)

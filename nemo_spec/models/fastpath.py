@@ -1,0 +1,146 @@
+"""A lean inference forward through the same megatron-core modules (no autograd, fewer Python layers).
+
+Decoding one token through megatron-core's ``TransformerLayer`` pays, per layer, for the module-hook
+machinery, ``autograd.Function`` wrappers of the tensor-parallel linears (even under
+``torch.inference_mode``), bias-dropout-add closures and inference-context checks. On a CPU with a small
+model that Python overhead is a large share of a decode step. This module evaluates the *same modules
+with the same parameters and the same math* directly:
+
+    h = h + proj(core_attention(split_qkv(qkv(input_norm(h)))))     (+ TP all-reduce after proj)
+    h = h + fc2(act(fc1(pre_mlp_norm(h))))                           (+ TP all-reduce after fc2)
+
+and calls our own core attention (:class:`~nemo_spec.models.attention.SDPACoreAttention`: RoPE by
+position id, explicit masks, KV cache) exactly as megatron's ``SelfAttention`` does. It is used only
+when gradients are off (generation); training always goes through the modules' own ``forward``.
+Layers it does not cover (q/k layernorm, clamped GLU, TP wider than the KV groups, ...) fall back to the
+module forward, so results never depend on whether it applies. ``tests/test_models.py`` checks it against
+the module forward for the Llama and GPT-2 families, with caches, masks and at TP=2.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.identity_op import IdentityOp
+
+from nemo_spec import parallel
+
+#: Set to False to run generation through the modules' own forward (for debugging / comparisons).
+ENABLED = True
+
+
+def active() -> bool:
+    """Whether the fast path should be used now (enabled and gradients off)."""
+    return ENABLED and not torch.is_grad_enabled()
+
+
+def _tp_group() -> Any:
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_group()
+
+
+def column(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A ColumnParallelLinear (gather_output=False) with its bias added: local output shard."""
+    return F.linear(x, lin.weight, lin.bias)
+
+
+def row(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A RowParallelLinear: local partial product, all-reduced over TP, then the (replicated) bias."""
+    y = F.linear(x, lin.weight)
+    if parallel.tp_size() > 1:
+        torch.distributed.all_reduce(y, group=_tp_group())
+    if lin.bias is not None:
+        y = y + lin.bias
+    return y
+
+
+def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply a (torch) norm module without the module-call machinery; IdentityOp passes through."""
+    if isinstance(module, IdentityOp):
+        return x
+    return module.forward(x)
+
+
+def _supported_attention(attn: torch.nn.Module) -> bool:
+    cfg = attn.config
+    return (isinstance(getattr(attn, "q_layernorm", None) or IdentityOp(), IdentityOp)
+            and isinstance(getattr(attn, "k_layernorm", None) or IdentityOp(), IdentityOp)
+            and cfg.num_query_groups >= parallel.tp_size()
+            and not getattr(attn.linear_qkv, "skip_bias_add", False)
+            and getattr(attn.linear_proj, "skip_bias_add", True)
+            and hasattr(attn.core_attention, "inv_freq") == bool(getattr(cfg, "nemo_rope", False)))
+
+
+def _supported_mlp(mlp: torch.nn.Module) -> bool:
+    cfg = mlp.config
+    return (getattr(cfg, "activation_func_clamp_value", None) is None
+            and float(getattr(cfg, "glu_linear_offset", 0.0) or 0.0) == 0.0
+            and not getattr(cfg, "use_te_activation_func", False)
+            and hasattr(mlp, "linear_fc1") and hasattr(mlp, "linear_fc2"))
+
+
+def supported(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` (a TransformerLayer) can run on the fast path; cached on the layer."""
+    ok = getattr(layer, "_nemo_fast_ok", None)
+    if ok is None:
+        try:
+            ok = (_supported_attention(layer.self_attention) and _supported_mlp(layer.mlp)
+                  and isinstance(getattr(layer, "pre_cross_attn_layernorm", IdentityOp()), IdentityOp))
+        except AttributeError:
+            ok = False
+        layer._nemo_fast_ok = ok
+    return ok
+
+
+def self_attention(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """megatron SelfAttention on normed input [s, b, in]: qkv -> core attention -> proj (bias included)."""
+    s, b = x.shape[0], x.shape[1]
+    heads, groups = attn.num_attention_heads_per_partition, attn.num_query_groups_per_partition
+    hd = attn.hidden_size_per_attention_head
+    per = heads // groups
+    qkv = column(attn.linear_qkv, x).view(s, b, groups, (per + 2) * hd)
+    q, k, v = torch.split(qkv, [per * hd, hd, hd], dim=3)
+    q = q.reshape(s, b, heads, hd)
+    out = attn.core_attention.forward(q, k, v, ctx)
+    return row(attn.linear_proj, out)
+
+
+def mlp(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """megatron MLP on normed input [s, b, h] (gated or not), fc2 bias included."""
+    y = column(m.linear_fc1, x)
+    act = m.config.activation_func
+    if m.config.gated_linear_unit:
+        g, u = torch.chunk(y, 2, dim=-1)
+        y = act(g) * u
+    else:
+        y = act(y)
+    return row(m.linear_fc2, y)
+
+
+def layer_forward(layer: torch.nn.Module, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """One TransformerLayer on [s, b, h]; falls back to the module forward when not supported."""
+    if not supported(layer):
+        out, _ = layer(hidden_states=h, attention_mask=ctx)
+        return out
+    h = h + self_attention(layer.self_attention, norm(layer.input_layernorm, h), ctx)
+    return h + mlp(layer.mlp, norm(layer.pre_mlp_layernorm, h))
+
+
+def mlp_block(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The MLP half of a layer with its residual (used by the EAGLE-3 first draft layer)."""
+    if not _supported_mlp(layer.mlp):
+        return layer._forward_mlp(h)
+    return h + mlp(layer.mlp, norm(layer.pre_mlp_layernorm, h))
+
+
+def embed(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Word (+ learned position) embeddings as [s, b, h] at TP=1; None where the module must run (TP>1)."""
+    emb = model.embedding
+    if parallel.tp_size() > 1 or emb.training or emb.config.fp32_residual_connection:
+        return None
+    x = F.embedding(input_ids.t(), emb.word_embeddings.weight)
+    pos = getattr(emb, "position_embeddings", None)
+    if pos is not None and getattr(emb, "add_position_embedding", False):
+        x = x + F.embedding(position_ids.t(), pos.weight)
+    return x
