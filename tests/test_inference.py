@@ -322,3 +322,32 @@ def test_cache_recreated_when_model_dtype_changes():
     m.to(_t.bfloat16)
     _gen(m, [[1, 2, 3]], _SP(max_new_tokens=4))
     assert _ENGINES[m].caches["target"].k.dtype == _t.bfloat16
+
+
+def test_eagle2_selection_keeps_every_parent_under_score_ties():
+    """EAGLE-2 re-ranking with many exactly-tied scores near -20 (children with log p = 0): every kept node's
+    parent is kept. (A float32 depth tie-break of 1e-6 is below resolution there and fails this check.)"""
+    from nemo_spec.inference.trees import select_tree
+
+    g = torch.Generator().manual_seed(0)
+    depth = torch.cat([torch.full((1, 4), 1), torch.full((1, 16), 2), torch.full((1, 16), 3)], 1)
+    old_broken = 0
+    for _ in range(50):
+        s1 = -20.0 - torch.randint(0, 3, (1, 4), generator=g).float() * 0.5
+        s2 = s1.repeat_interleave(4, 1) + torch.where(torch.rand(1, 16, generator=g) < 0.5, 0.0, -0.5)
+        best = s2.topk(4).indices
+        s3 = s2[0, best].repeat_interleave(4, 1) + torch.where(torch.rand(1, 16, generator=g) < 0.5, 0.0, -0.5)
+        score = torch.cat([s1, s2, s3], 1)
+        par = torch.cat([torch.full((1, 4), -1), torch.arange(4).repeat_interleave(4)[None],
+                         (4 + best).repeat_interleave(4, 1)], 1)
+        for n in range(1, 36):
+            toks, parents = select_tree(torch.arange(36)[None], score, par, depth, n)
+            kept = toks[0].tolist()  # tokens are the candidate indices here
+            assert all(par[0, i] < 0 or int(par[0, i]) in kept for i in kept)
+            # block parents point at earlier kept nodes (or the root) and match the candidate parents
+            for j, i in enumerate(kept):
+                pj = int(parents[0, j])
+                assert pj < j + 1 and (pj == 0 if par[0, i] < 0 else kept[pj - 1] == int(par[0, i]))
+            old = (score - 1e-6 * depth).topk(n, -1).indices[0].tolist()
+            old_broken += any(par[0, i] >= 0 and int(par[0, i]) not in old for i in old)
+    assert old_broken > 0  # the data does exercise the tie case

@@ -15,7 +15,7 @@ import torch
 from nemo_spec.models import gpt_forward, model_config, new_kv_cache, unwrap
 from nemo_spec.inference.engine import BatchState, DraftTree, Engine, StepResult
 from nemo_spec.inference.sampling import SamplingError, sample_from, warp_rows
-from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, ancestor_mask, block_context, chain_parents,
+from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, ancestor_mask, block_context, chain_parents, select_tree,
                                        medusa_tree, pad_chains, prefill_context, validate_medusa_choices)
 
 log = logging.getLogger(__name__)
@@ -343,17 +343,10 @@ class EagleProposer(_SpecModelProposer):
             exp_score = cum[rows, best]
             exp_h = hid[rows, pj]
             base += k * k
-        toks = torch.cat(cand_tok, 1)
-        score = torch.cat(cand_score, 1) - 1e-6 * torch.cat(cand_depth, 1)
-        par = torch.cat(cand_par, 1).long()
-        n = min(self.total, toks.shape[1])
-        sel = score.topk(n, -1).indices.sort(-1).values  # ancestors precede descendants
-        inv = torch.zeros(b, toks.shape[1], dtype=torch.long, device=dev)
-        inv[rows.expand(b, n), sel] = torch.arange(1, n + 1, device=dev)[None].expand(b, n)
-        p_sel = par[rows, sel]
-        parents = torch.where(p_sel >= 0, inv[rows, p_sel.clamp(min=0)], torch.zeros_like(p_sel))
-        valid = st.active_tensor(dev)[:, None].expand(b, n).contiguous()
-        return DraftTree(toks[rows, sel], parents, valid)
+        tokens, parents = select_tree(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1).long(),
+                                      torch.cat(cand_depth, 1), self.total)
+        valid = st.active_tensor(dev)[:, None].expand_as(tokens).contiguous()
+        return DraftTree(tokens, parents, valid)
 
 
 class MedusaProposer(_SpecModelProposer):

@@ -40,6 +40,29 @@ def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Ten
     return anc, depth
 
 
+def select_tree(tokens: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2 re-ranking: keep the ``total`` best-scoring candidates per row as a tree.
+
+    Candidates [b, N] come level by level (a parent precedes its children); ``score`` is the cumulative
+    log-probability (a child never scores above its parent), ``parent`` the candidate index of the parent
+    (-1 = child of the root). Returns (tokens [b, n], parents [b, n] as block indices, 0 = root). On equal
+    scores the shallower candidate wins, in float64 so that the tie-break is representable for any score,
+    hence every kept node's parent is kept.
+    """
+    b, N = tokens.shape
+    dev = tokens.device
+    n = min(total, N)
+    rows = torch.arange(b, device=dev)[:, None]
+    key = score.double() - 1e-6 * depth.double()
+    sel = key.topk(n, -1).indices.sort(-1).values  # ancestors precede descendants
+    inv = torch.zeros(b, N, dtype=torch.long, device=dev)
+    inv[rows.expand(b, n), sel] = torch.arange(1, n + 1, device=dev)[None].expand(b, n)
+    p_sel = parent[rows, sel]
+    parents = torch.where(p_sel >= 0, inv[rows, p_sel.clamp(min=0)], torch.zeros_like(p_sel))
+    return tokens[rows, sel], parents
+
+
 def chain_parents(b: int, n: int, device: torch.device) -> torch.Tensor:
     """parents [b, n] of a chain (node i's parent is i - 1)."""
     return (torch.arange(n, device=device) - 1)[None].expand(b, n).contiguous()
