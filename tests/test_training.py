@@ -178,7 +178,7 @@ def test_resume_is_exact(base, tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod, "build_trainer", orig)
     last = tmp_path / "split" / "checkpoints" / "last"
     assert last.is_symlink() and os.readlink(last) == "step0000003"
-    meta = json.loads((last / "meta.json").read_text())
+    meta = json.loads((last / "nemo_spec_train.json").read_text())
     assert meta["global_step"] == 3 and meta["tensor_parallel_size"] == 1
     resumed = train(cfg_for("split"), save_final=False)
     assert resumed.trainer.global_step == 6
@@ -198,16 +198,106 @@ def _with_stop(trainer, step):
     return trainer
 
 
-def test_checkpoint_tp_mismatch_is_clear(tmp_path):
-    from nemo_spec.training.strategy import CKPT_FORMAT, MegatronStrategy
+@pytest.fixture(scope="module")
+def periodic_ckpt(base, tmp_path_factory):
+    """A 2-step EAGLE-3 run with a periodic checkpoint at step 2: (checkpoint dir, config, trained module)."""
+    model_path, data = base
+    run = tmp_path_factory.mktemp("periodic")
+    cfg = small_train_config(run, "eagle3", steps=2, ckpt_every_n_steps=2)
+    cfg.model_path, cfg.data.path = str(model_path), str(data)
+    res = train(cfg, save_final=False)
+    return run / "checkpoints" / "step0000002", cfg, res.module
 
-    d = tmp_path / "ck"
-    d.mkdir()
-    (d / "meta.json").write_text(json.dumps({"format": CKPT_FORMAT, "tensor_parallel_size": 2}))
-    with pytest.raises(TrainCheckpointError, match="saved with tensor_parallel_size=2, this run uses 1"):
-        MegatronStrategy().load_checkpoint(d)
+
+def _strategy_for(cfg, algorithm=None):
+    """A MegatronStrategy connected to a freshly built module of ``cfg`` (as Lightning does before a resume)."""
+    from nemo_spec.training.strategy import MegatronStrategy
+
+    spec = cfg.spec if algorithm is None else type(cfg.spec)(algorithm=algorithm)
+    module = SpeculativeLightningModule(model_path=cfg.model_path, model_transform=SpeculativeTransform(config=spec))
+    module.configure_model()
+    strategy = MegatronStrategy()
+    strategy.connect(module)
+    return strategy
+
+
+def test_periodic_checkpoint_is_megatron_dist_checkpoint(periodic_ckpt):
+    from megatron.core import dist_checkpointing
+
+    ckpt, cfg, module = periodic_ckpt
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata", "nemo_spec_train.json"} <= names, names
+    assert any(n.endswith(".distcp") for n in names) and not any(n.endswith(".pt") and n != "common.pt" for n in names)
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    draft = dict(module.model.draft.named_parameters())
+    for name, p in draft.items():
+        key = f"eagle_module.{name}"
+        assert tuple(meta[key].global_shape) == tuple(p.shape), key
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert tuple(meta[f"optimizer.state.{state}.{key}"].global_shape) == tuple(p.shape)
+    assert "eagle_module.d2t" in meta
+    assert not any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in meta)  # base not saved
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    assert common["global_step"] == 2 and common["data_position"]["consumed_in_epoch"] == 8
+    assert common["lr_schedulers"][0]["last_epoch"] == 2 and "fit_loop" in common["loops"]
+    groups = common["optimizer_states"][0]["param_groups"]
+    assert sorted(k for g in groups for k in g["params"]) == sorted(f"model.eagle_module.{n}" for n in draft)
+    # the strategy reads back exactly the trained weights and optimizer state
+    strategy = _strategy_for(cfg)
+    loaded = strategy.load_checkpoint(ckpt.parent / "last")
+    want = module.trainable_state_dict()
+    assert loaded["state_dict"].keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(loaded["state_dict"][k], v), k
+    opt = strategy.lightning_module.configure_optimizers()["optimizer"]  # as the Trainer does before restoring it
+    strategy.optimizers = [opt]
+    strategy.load_optimizer_state_dict(loaded)
+    keys = {id(p): n for n, p in strategy.lightning_module.named_parameters()}
+    trained = {n: p for n, p in module.named_parameters()}
+    trained_opt = module.trainer.optimizers[0]
+    for p, st in opt.state.items():
+        ref = trained_opt.state[trained[keys[id(p)]]]
+        assert torch.equal(st["exp_avg_sq"], ref["exp_avg_sq"]) and float(st["step"]) == float(ref["step"]) == 2.0
+
+
+def test_checkpoint_errors_are_clear(periodic_ckpt, tmp_path):
+    import shutil
+
+    from nemo_spec.training.strategy import MegatronStrategy
+
+    ckpt, cfg, _ = periodic_ckpt
+    with pytest.raises(TrainCheckpointError, match="does not exist"):
+        MegatronStrategy().load_checkpoint(tmp_path / "nope")
     with pytest.raises(TrainCheckpointError, match="not a training checkpoint"):
         MegatronStrategy().load_checkpoint(tmp_path)
+    old = tmp_path / "v1"
+    old.mkdir()
+    (old / "meta.json").write_text(json.dumps({"format": "nemo_spec_train_ckpt_v1", "tensor_parallel_size": 1}))
+    with pytest.raises(TrainCheckpointError, match="nemo_spec_train_ckpt_v1.*no longer read"):
+        MegatronStrategy().load_checkpoint(old)
+    partial = tmp_path / "partial"
+    shutil.copytree(ckpt, partial)
+    (partial / "nemo_spec_train.json").unlink()
+    with pytest.raises(TrainCheckpointError, match="incomplete: nemo_spec_train.json"):
+        MegatronStrategy().load_checkpoint(partial)
+    strategy = _strategy_for(cfg)
+    for victim in sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".distcp")):
+        bad = tmp_path / f"bad_{victim}"
+        shutil.copytree(ckpt, bad)
+        with open(bad / victim, "r+b") as f:  # truncated shard file
+            f.truncate(max(0, (bad / victim).stat().st_size // 3))
+        with pytest.raises(TrainCheckpointError, match="incomplete or corrupt"):
+            strategy.load_checkpoint(bad)
+    with pytest.raises(TrainCheckpointError, match="trainable state of a different model"):
+        _strategy_for(cfg, algorithm="eagle1").load_checkpoint(ckpt)
+    from nemo_spec.training.run import resolve_resume
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "last").symlink_to("step0000009")
+    cfg2 = small_train_config(tmp_path / "r")
+    cfg2.resume = "auto"
+    with pytest.raises(TrainCheckpointError, match="last points to 'step0000009', which does not exist"):
+        resolve_resume(cfg2, tmp_path / "ck")
 
 
 # ---- offline mode ---------------------------------------------------------------------------------------------------
@@ -272,7 +362,7 @@ def test_script_end_to_end(base, tmp_path):
     assert "algorithm: eagle1" in p.stdout and "trained 3 steps" in p.stdout
     run = tmp_path / "run"
     assert "algorithm: eagle1" in (run / "config.yaml").read_text()
-    assert (run / "checkpoints" / "last" / "model_tp0.pt").exists() and (run / "final" / "nemo_spec_config.json").exists()
+    assert (run / "checkpoints" / "last" / "nemo_spec_train.json").exists() and (run / "final" / "nemo_spec_config.json").exists()
     bad = subprocess.run(cmd + ["trainer.nope=1"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode != 0 and "Could not override 'trainer.nope'" in bad.stderr
 
@@ -280,12 +370,14 @@ def test_script_end_to_end(base, tmp_path):
 # ---- torchrun: TP=2 and DP=2 --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_torchrun_tp2_and_dp2_training(base, tmp_path):
-    """TP=2 trains/checkpoints/resumes; DP=2 (micro 2 per rank) equals 1 process accumulating 2 micro-batches."""
+    """TP=2 trains/checkpoints/resumes; its checkpoint resumes at TP=1 x DP=2 (same weights, same continuation,
+    DP replicas written once); DP=2 (micro 2 per rank) equals 1 process accumulating 2 micro-batches."""
     from tests.helpers import run_torchrun
 
     model_path, data = base
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "train_tp_dp.py", [model_path, data, tmp_path], timeout=900)
-    assert "TRAIN_TP2_OK" in out
+    assert "TRAIN_TP2_OK" in out, out[-2000:]
+    print(out.strip().splitlines()[-1])
     from nemo_spec.checkpoint import read_checkpoint_config
 
     assert read_checkpoint_config(tmp_path / "tp2" / "final")["tp_size_saved"] == 2

@@ -141,6 +141,23 @@ class SpeculativeLightningModule(pl.LightningModule):
                     if isinstance(v, torch.Tensor)}
         return {k: v for k, v in self.state_dict().items() if isinstance(v, torch.Tensor)}
 
+    def trainable_sharded_state_dict(self) -> Dict[str, Any]:
+        """The trainable state as megatron ShardedTensors (or factories), keyed like :meth:`trainable_state_dict`.
+
+        Taken from the model's own ``sharded_state_dict()``, so TP-sharded parameters carry their real sharding
+        and replica ids (DP replicas and TP-replicated tensors are written once); ``.data`` is the live tensor.
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        prefix = "model."
+        want = set(self.trainable_state_dict())
+        out = {prefix + k: v for k, v in self.model.sharded_state_dict().items()
+               if prefix + k in want and isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+        missing = sorted(want - set(out))
+        if missing:
+            raise RuntimeError(f"trainable tensors without a sharded_state_dict entry: {missing[:6]}")
+        return out
+
     # ---- steps ------------------------------------------------------------------------------------------
     def compute_losses(self, batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
         """Loss dict for a batch (draft losses, or LM loss for a plain GPT)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from nemo_spec.config import ConfigError, dump_json
 from nemo_spec.training.callbacks import AcceptanceLengthCallback
 from nemo_spec.training.config import TrainConfig, TrainerConfig, train_config_to_dict
 from nemo_spec.training.module import SpeculativeLightningModule
-from nemo_spec.training.strategy import MegatronStrategy
+from nemo_spec.training.strategy import MegatronStrategy, TrainCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,32 @@ def planned_dp_size(tp: int) -> int:
     return world // tp
 
 
+class AtomicLinkCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose ``last`` link is swapped atomically: a fresh symlink is renamed over the old one, so a
+    crash never leaves a run without ``last`` (Lightning's own version removes the link first)."""
+
+    @staticmethod
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            tmp = f"{linkpath}.link-tmp"
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+            if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                shutil.rmtree(linkpath)
+            os.replace(tmp, linkpath)
+        trainer.strategy.barrier()
+
+
 def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: List[pl.Callback],
                   checkpoint_dir: Optional[Path] = None, loggers: bool = True) -> pl.Trainer:
     """A Lightning Trainer on the megatron-aware strategy with TensorBoard + CSV loggers."""
     strategy = MegatronStrategy(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed, accelerator_kind=t.accelerator)
     cbs = list(callbacks)
     if checkpoint_dir is not None and t.ckpt_every_n_steps > 0:
-        ckpt = ModelCheckpoint(dirpath=str(checkpoint_dir), filename="step{step:07d}", auto_insert_metric_name=False,
-                               every_n_train_steps=t.ckpt_every_n_steps, save_top_k=-1, save_last="link",
-                               save_on_train_epoch_end=False)
+        ckpt = AtomicLinkCheckpoint(dirpath=str(checkpoint_dir), filename="step{step:07d}",
+                                    auto_insert_metric_name=False, every_n_train_steps=t.ckpt_every_n_steps,
+                                    save_top_k=-1, save_last="link", save_on_train_epoch_end=False)
         ckpt.CHECKPOINT_NAME_LAST = "last"
         ckpt.FILE_EXTENSION = ""
         cbs.append(ckpt)
@@ -104,6 +122,9 @@ def resolve_resume(cfg: TrainConfig, ckpt_dir: Path) -> Optional[str]:
         return None
     if cfg.resume == "auto":
         last = ckpt_dir / "last"
+        if last.is_symlink() and not last.exists():
+            raise TrainCheckpointError(f"{last} points to {os.readlink(last)!r}, which does not exist; pass "
+                                       f"resume=<a checkpoint dir> or resume=none")
         return str(last) if last.exists() else None
     if not Path(cfg.resume).exists():
         raise FileNotFoundError(f"resume={cfg.resume} does not exist")

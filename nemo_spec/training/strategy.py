@@ -6,34 +6,47 @@
   gradients of trainable parameters are averaged over megatron's data-parallel group only; TP-sharded parameters
   are never averaged across TP ranks (every TP rank already holds the gradient of its own shard, and replicated
   parameters get identical gradients on every TP rank because their inputs are identical).
-* Checkpoints are directories ``<name>/`` holding ``model_tp{r}.pt`` (trainable state, optimizer, LR scheduler,
-  loop/data position; written by the DP-rank-0 process of each TP rank) and ``meta.json``; they are written into a
-  temporary directory and renamed by rank 0 after a barrier (atomic). Resume requires the same TP size; the DP
-  size may change (the global batch stays constant via gradient accumulation).
+* Checkpoints are Megatron distributed (``torch_dist``) checkpoint directories ``<name>/``: the trainable tensors
+  (draft parameters + buffers, taken from the model's ``sharded_state_dict()`` so TP-sharded ones keep their real
+  sharding) and the optimizer's per-parameter state (Adam ``exp_avg``/``exp_avg_sq``, sharded like their parameter)
+  as ShardedTensors, written once per shard (replica ids make DP replicas and TP-replicated tensors write once);
+  everything else Lightning puts in the checkpoint (loops / data position, LR schedulers, callbacks, global step,
+  optimizer hyperparameters and scalar state) as common state from rank 0. ``nemo_spec_train.json`` is written
+  last into a temporary directory that rank 0 renames into place (atomic). Resume works at any TP and DP size
+  (tensors are resharded; the global batch stays constant via gradient accumulation).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from nemo_spec import parallel
+from nemo_spec._cpu import apply_cpu_workarounds
+from nemo_spec.checkpoint.megatron import (DIST_METADATA, CheckpointError, _all_ok, _commit, _save_strategy,
+                                           check_sharded_shapes)
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = "nemo_spec_train_ckpt_v1"
+CKPT_FORMAT = "nemo_spec_train_ckpt_v2"
+META_NAME = "nemo_spec_train.json"  # written last into the temporary dir, before the rename
+V1_META_NAME = "meta.json"  # the older per-TP-rank torch.save format (refused with a clear message)
 
 
-class TrainCheckpointError(RuntimeError):
-    """A training checkpoint is missing, incomplete or incompatible with this run."""
+class TrainCheckpointError(CheckpointError, RuntimeError):
+    """A training checkpoint is missing, incomplete, corrupt or incompatible with this run."""
 
 
 def _dp_group() -> Any:
@@ -147,7 +160,7 @@ class MegatronStrategy(SingleDeviceStrategy):
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
-    # ---- checkpoints --------------------------------------------------------------------------------------
+    # ---- checkpoints ------------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Only the trainable state (draft parameters and buffers; the whole model when nothing is frozen)."""
         return self.lightning_module.trainable_state_dict()
@@ -164,53 +177,268 @@ class MegatronStrategy(SingleDeviceStrategy):
         self.lightning_module.load_state_dict(sd, strict=False)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write this TP rank's trainable state + optimizer/scheduler/loops into ``filepath/`` atomically."""
-        from megatron.core import parallel_state as ps
+        """Write ``checkpoint`` as a Megatron distributed checkpoint directory ``filepath/``, atomically.
 
-        final = Path(filepath)
+        Collective: every rank calls it (Lightning does). Trainable tensors and the optimizer's per-parameter
+        state are ShardedTensors written once per shard; the rest of the dict is common state from rank 0.
+        """
+        from megatron.core import dist_checkpointing
+
+        apply_cpu_workarounds()
+        final = Path(filepath).absolute()
         tmp = final.parent / f".{final.name}.tmp"
-        tp_rank, tp = parallel.tp_rank(), parallel.tp_size()
-        dp_rank, dp = dp_rank_size()
-        if self.is_global_zero:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        if dp_rank == 0:
-            torch.save(checkpoint, tmp / f"model_tp{tp_rank}.pt")
-        self.barrier()
-        if self.is_global_zero:
-            meta = {"format": CKPT_FORMAT, "tensor_parallel_size": tp, "data_parallel_size": dp,
-                    "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            if final.exists() or final.is_symlink():
-                old = final.parent / f".{final.name}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+        sharded = dict(checkpoint)
+        params = self.lightning_module.trainable_sharded_state_dict()
+        sharded["state_dict"] = params
+        sharded["optimizer_states"] = [_sharded_optimizer_state(i, opt, state, params) for i, (opt, state)
+                                       in enumerate(zip(self.optimizers, checkpoint.get("optimizer_states", [])))]
+        rank0 = self.is_global_zero
+        err: Optional[BaseException] = None
+        try:
+            if rank0:
+                if tmp.exists():
+                    log.warning("removing %s left by an interrupted save", tmp)
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised once every rank knows
+            err = e
+        if not _all_ok(err is None):
+            raise TrainCheckpointError(f"could not create {tmp} ({err or 'failed on rank 0'})")
+        try:
+            with _quiet_dcp_warnings():
+                dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
+            if rank0:
+                meta = {"format": CKPT_FORMAT, "tensor_parallel_size": parallel.tp_size(),
+                        "data_parallel_size": dp_rank_size()[1], "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+                        "trainable_keys": sorted(params)}
+                (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last file: marks the save complete
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        ok = _all_ok(err is None)
+        if ok and rank0:
+            try:
+                _commit(tmp, final, overwrite=True)
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        if not _all_ok(ok and err is None):
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise err
+            hint = ("; dist_checkpointing.save starts worker processes (multiprocessing spawn): call training from "
+                    "a script guarded by `if __name__ == \"__main__\":`" if isinstance(err, EOFError) else "")
+            raise TrainCheckpointError(f"saving training checkpoint {final} failed "
+                                       f"({_short_error(err) if err else 'on another rank'}); the previous "
+                                       f"checkpoints are untouched{hint}") from err
+        if rank0:
             log.info("saved training checkpoint %s (step %s)", final, checkpoint.get("global_step"))
-        self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Read this TP rank's shard of a checkpoint directory (``last`` links are followed)."""
+        """Read a training checkpoint directory (``last`` links are followed) at this run's TP/DP sizes.
+
+        Trainable tensors and optimizer state are resharded from whatever TP size they were saved with; the
+        optimizer state is remapped onto this run's optimizer in :meth:`load_optimizer_state_dict`.
+        """
+        from megatron.core import dist_checkpointing
+
+        apply_cpu_workarounds()
         path = Path(checkpoint_path).resolve()
-        meta_file = path / "meta.json"
-        if not meta_file.exists():
-            raise TrainCheckpointError(f"{path}: not a training checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("format") != CKPT_FORMAT:
-            raise TrainCheckpointError(f"{meta_file}: format {meta.get('format')!r}, expected {CKPT_FORMAT!r}")
+        meta = read_train_checkpoint_meta(path)
+        try:
+            common = dist_checkpointing.load_common_state_dict(str(path))
+        except _read_errors() as e:  # any reader failure means an unreadable checkpoint
+            raise TrainCheckpointError(f"{path}: cannot read the common state ({_short_error(e)})") from e
+        params = {k: _empty_like_sharded(v) for k, v in self.lightning_module.trainable_sharded_state_dict().items()}
+        saved_keys = set(meta.get("trainable_keys") or params)
+        if saved_keys != set(params):
+            raise TrainCheckpointError(
+                f"{path} holds the trainable state of a different model (algorithm / draft config): only in the "
+                f"checkpoint {sorted(saved_keys - set(params))[:4]}, only in this run {sorted(set(params) - saved_keys)[:4]}")
+        template: Dict[str, Any] = {"state_dict": params, "optimizer_states": []}
+        for i, state in enumerate(common.get("optimizer_states", [])):
+            template["optimizer_states"].append(_optimizer_template(i, state, params, path))
+        source = "this run's model (algorithm / draft / model config)"
+        try:
+            check_sharded_shapes(template, path, source)
+        except CheckpointError as e:
+            raise TrainCheckpointError(str(e)) from e
         if meta["tensor_parallel_size"] != parallel.tp_size():
-            raise TrainCheckpointError(f"{path}: saved with tensor_parallel_size={meta['tensor_parallel_size']}, "
-                                       f"this run uses {parallel.tp_size()}; resume with the same TP size")
-        shard = path / f"model_tp{parallel.tp_rank()}.pt"
-        if not shard.exists():
-            raise TrainCheckpointError(f"{shard} is missing (incomplete checkpoint)")
-        return torch.load(shard, map_location=self.root_device, weights_only=False)
+            log.info("resharding training checkpoint %s from tensor_parallel_size=%d to %d", path,
+                     meta["tensor_parallel_size"], parallel.tp_size())
+        try:
+            with _quiet_dcp_warnings():
+                loaded = dist_checkpointing.load(template, str(path))
+        except _read_errors() as e:
+            raise TrainCheckpointError(f"{path}: reading the sharded tensors failed, the checkpoint is incomplete "
+                                       f"or corrupt ({_short_error(e)})") from e
+        return loaded
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore each optimizer's state, matched to this run's parameters by key (not by position)."""
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise TrainCheckpointError(f"checkpoint holds {len(states)} optimizer state(s), this run has "
+                                       f"{len(self.optimizers)} optimizer(s)")
+        keys = _param_keys(self.lightning_module)
+        for i, (opt, saved) in enumerate(zip(self.optimizers, states)):
+            opt.load_state_dict(_index_optimizer_state(i, opt, saved, keys))
+            _optimizer_to_device(opt, self.root_device)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
+
+
+# ---- training-checkpoint helpers -----------------------------------------------------------------------------
+def read_train_checkpoint_meta(path: Path) -> Dict[str, Any]:
+    """The checkpoint's nemo_spec_train.json, after checking it is a complete training checkpoint of this format."""
+    if not path.exists():
+        raise TrainCheckpointError(f"training checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise TrainCheckpointError(f"training checkpoint {path} is not a directory")
+    meta_file = path / META_NAME
+    if not meta_file.is_file():
+        old = path / V1_META_NAME
+        if old.is_file():
+            fmt = _json_or_none(old)
+            fmt = fmt.get("format") if isinstance(fmt, dict) else None
+            raise TrainCheckpointError(f"{path}: format {fmt!r} (per-TP-rank torch.save files from an older nemo_spec) "
+                                       f"is no longer read; this version resumes {CKPT_FORMAT!r} (Megatron "
+                                       f"distributed checkpoints): start the run afresh")
+        if (path / DIST_METADATA).is_file() or path.name.endswith(".tmp"):
+            raise TrainCheckpointError(f"{path} is incomplete: {META_NAME} (written last) is missing, so the save "
+                                       f"was interrupted")
+        raise TrainCheckpointError(f"{path}: not a training checkpoint (no {META_NAME}); found "
+                                   f"{sorted(x.name for x in path.iterdir())[:8]}")
+    meta = _json_or_none(meta_file)
+    if not isinstance(meta, dict):
+        raise TrainCheckpointError(f"{meta_file}: not a JSON object")
+    if meta.get("format") != CKPT_FORMAT:
+        raise TrainCheckpointError(f"{meta_file}: format {meta.get('format')!r}, expected {CKPT_FORMAT!r}")
+    if not isinstance(meta.get("tensor_parallel_size"), int):
+        raise TrainCheckpointError(f"{meta_file}: field 'tensor_parallel_size' is missing")
+    for name in (DIST_METADATA, "common.pt", ".metadata"):
+        if not (path / name).is_file():
+            raise TrainCheckpointError(f"{path} is incomplete: {name} (written by dist_checkpointing) is missing")
+    return meta
+
+
+def _read_errors() -> tuple:
+    """Exceptions a checkpoint reader raises (torch DCP's CheckpointException is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _short_error(e: BaseException) -> str:
+    """One line for a reader error (torch DCP wraps per-rank failures with their whole tracebacks)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, f = next(iter(failures.items()))
+        inner = f[0] if isinstance(f, tuple) and f else getattr(f, "exception", f)  # (exception, frames)
+        return f"{type(inner).__name__} on rank {rank}: {str(inner).strip()[:300]}".rstrip(": ")
+    return f"{type(e).__name__}: {str(e).strip()[:300]}"
+
+
+def _json_or_none(f: Path) -> Any:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_dcp_warnings() -> Iterator[None]:
+    """Silence torch DCP's FutureWarnings about the ShardedTensor API megatron still uses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+        yield
+
+
+def _optim_prefix(i: int) -> str:
+    """Checkpoint key prefix of optimizer ``i``'s sharded state (megatron's ``optimizer.state.<name>.<param>``)."""
+    return "optimizer" if i == 0 else f"optimizer_{i}"
+
+
+def _param_keys(module: torch.nn.Module) -> Dict[int, str]:
+    """id(parameter) -> its state-dict key in the LightningModule."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _empty_like_sharded(v: Any) -> Any:
+    """The same ShardedTensor/factory over a fresh buffer (loading never writes into live parameters)."""
+    return dataclasses.replace(v, data=torch.empty_like(v.data))
+
+
+def _sharded_optimizer_state(i: int, optimizer: Any, state: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
+    """Optimizer ``state_dict()`` keyed by parameter name, per-parameter tensors as ShardedTensors.
+
+    Tensors shaped like their parameter (Adam's exp_avg / exp_avg_sq) get the parameter's sharding and replica
+    ids; anything else (Adam's scalar ``step``) and the param-group hyperparameters stay common state.
+    ``sharded`` records which entries were sharded so that a load can build its template before any step.
+    """
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    keys = _param_keys_from(params)
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    try:
+        idx_key = [keys[id(p)] for p in flat]
+    except KeyError:
+        raise TrainCheckpointError(f"optimizer {i} holds a parameter that is not part of the trainable state") from None
+    out: Dict[str, Any] = {}
+    sharded: Dict[str, list] = {}
+    for idx, st in state["state"].items():
+        key, p = idx_key[idx], flat[idx]
+        entry = {}
+        for name, val in st.items():
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape == p.shape:
+                entry[name] = make_sharded_optimizer_tensor(params[key], val, prefix=f"{_optim_prefix(i)}.state.{name}")
+                sharded.setdefault(key, []).append(name)
+            else:
+                entry[name] = val
+        out[key] = entry
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [idx_key[j] for j in g["params"]]}
+              for g in state["param_groups"]]
+    return {"state": out, "param_groups": groups, "sharded": sharded}
+
+
+def _param_keys_from(params: Dict[str, Any]) -> Dict[int, str]:
+    """id(live tensor) -> key, for the entries of a trainable sharded state dict."""
+    return {id(v.data): k for k, v in params.items()}
+
+
+def _optimizer_template(i: int, saved: Dict[str, Any], params: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    """Load template for optimizer ``i``'s sharded state, shaped and sharded like this run's parameters."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    out: Dict[str, Any] = {}
+    for key, names in (saved.get("sharded") or {}).items():
+        if key not in params:
+            raise TrainCheckpointError(f"{path}: optimizer state for {key!r}, which this run does not train "
+                                       f"(different algorithm or draft config?)")
+        out[key] = {name: make_sharded_optimizer_tensor(params[key], torch.empty_like(params[key].data),
+                                                        prefix=f"{_optim_prefix(i)}.state.{name}")
+                    for name in names}
+    return {"state": out}
+
+
+def _index_optimizer_state(i: int, optimizer: Any, saved: Dict[str, Any], keys: Dict[int, str]) -> Dict[str, Any]:
+    """A torch ``optimizer.state_dict()`` for this run's optimizer from the name-keyed saved state."""
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise TrainCheckpointError(f"optimizer {i}: checkpoint has {len(saved_groups)} parameter groups, this run "
+                                   f"has {len(optimizer.param_groups)}")
+    key_to_idx: Dict[str, int] = {}
+    groups = []
+    for j, (cur, old) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        cur_keys = [keys[id(p)] for p in cur["params"]]
+        if set(cur_keys) != set(old["params"]):
+            diff = sorted(set(cur_keys) ^ set(old["params"]))
+            raise TrainCheckpointError(f"optimizer {i} group {j}: the checkpoint's parameters differ from this run's "
+                                       f"(e.g. {diff[:4]})")
+        ids = list(range(len(key_to_idx), len(key_to_idx) + len(cur_keys)))
+        key_to_idx.update(zip(cur_keys, ids))
+        groups.append({**{k: v for k, v in old.items() if k != "params"}, "params": ids})
+    state = {key_to_idx[k]: v for k, v in saved["state"].items()}
+    return {"state": state, "param_groups": groups}
