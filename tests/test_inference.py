@@ -351,3 +351,32 @@ def test_eagle2_selection_keeps_every_parent_under_score_ties():
             old = (score - 1e-6 * depth).topk(n, -1).indices[0].tolist()
             old_broken += any(par[0, i] >= 0 and int(par[0, i]) not in old for i in old)
     assert old_broken > 0  # the data does exercise the tie case
+
+
+def test_ancestor_and_chain_masks_match_a_naive_walk():
+    """Vectorised tree masks (repeated squaring) == walking each node's parent links, incl. invalid nodes."""
+    from nemo_spec.inference.trees import ancestor_mask, chain_mask, chain_parents
+
+    def walk(parents, valid):
+        b, n = parents.shape
+        anc = torch.zeros(b, n, n, dtype=torch.bool)
+        depth = torch.zeros(b, n, dtype=torch.long)
+        for r in range(b):
+            for i in range(n):
+                p = int(parents[r, i])
+                if p >= 0 and valid[r, i]:
+                    anc[r, i], depth[r, i] = anc[r, p], depth[r, p] + 1
+                anc[r, i, i] = True
+        return anc, depth
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        parents = torch.stack([torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)])
+                               for _ in range(3)])
+        valid = torch.rand(3, n, generator=g) < 0.8
+        for got, want in zip(ancestor_mask(parents, valid), walk(parents, valid)):
+            assert torch.equal(got, want)
+        v = torch.arange(n)[None] < torch.randint(0, n + 1, (3, 1), generator=g)
+        for got, want in zip(chain_mask(v), walk(chain_parents(3, n, torch.device("cpu")), v)):
+            assert torch.equal(got, want)

@@ -15,7 +15,7 @@ import torch
 from nemo_spec.models import gpt_forward, model_config, new_kv_cache, unwrap
 from nemo_spec.inference.engine import BatchState, DraftTree, Engine, StepResult
 from nemo_spec.inference.sampling import SamplingError, sample_from, warp_rows
-from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, ancestor_mask, block_context, chain_parents, select_tree,
+from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, block_context, chain_mask, chain_parents, select_tree,
                                        medusa_tree, pad_chains, prefill_context, validate_medusa_choices)
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ class PromptLookupProposer(ARProposer):
 
 def _chain_block(cache, tokens: torch.Tensor, valid: torch.Tensor, max_pos: int, prefix=None, depth0: int = 0):
     """Context for right-padded ragged chains [b, n] appended to ``cache``."""
-    b, n = tokens.shape
-    anc, depth = ancestor_mask(chain_parents(b, n, tokens.device), valid)
+    anc, depth = chain_mask(valid)
     return block_context(cache, anc, depth + depth0, max_pos, prefix)
 
 
@@ -101,16 +100,26 @@ def _last_valid(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def _choose(st: BatchState, logits: torch.Tensor, rows_greedy: List[bool]):
     """Pick one draft token per row from logits [b, V]: argmax (greedy rows) or a sample of the warped dist.
 
-    Returns (tokens [b], warped draft probs [b, V] — one-hot for greedy rows).
+    Returns (tokens [b], warped draft probs [b, V] — one-hot for greedy rows; None when every row is greedy,
+    since greedy verification never reads q).
     """
-    q = warp_rows(logits, st.params)
     tok = logits.argmax(-1)
+    if all(rows_greedy):
+        return tok, None
+    q = warp_rows(logits, st.params)
     samp = [r for r, g in enumerate(rows_greedy) if not g]
     if samp:
         idx = torch.tensor(samp, device=logits.device)
         u = st.rng.uniform(1, samp)[:, 0]
         tok[idx] = sample_from(q[idx], u.to(q.device))
     return tok, q
+
+
+def _stack_q(qs: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """Per-node draft distributions [b, n+1, V] (the last node's children are never drafted: zeros), or None."""
+    if qs[0] is None:
+        return None
+    return torch.stack(qs + [torch.zeros_like(qs[0])], 1)
 
 
 class DraftModelProposer(ARProposer):
@@ -167,10 +176,9 @@ class DraftModelProposer(ARProposer):
                 lg = gpt_forward(self.draft, d[:, None], ctx).logits[:, 0]
                 self.cache.lengths += actt
         st.count_draft(self.gamma)
-        qs.append(torch.zeros_like(qs[0]))
         tokens = torch.stack(drafts, 1)
         valid = st.active_tensor(dev)[:, None].expand_as(tokens).contiguous()
-        return DraftTree(tokens, chain_parents(st.b, self.gamma, dev) + 1, valid, torch.stack(qs, 1))
+        return DraftTree(tokens, chain_parents(st.b, self.gamma, dev) + 1, valid, _stack_q(qs))
 
     def accepted(self, eng: Engine, st: BatchState, res: StepResult) -> None:
         """Roll the draft cache back to the accepted drafts it already holds."""
@@ -288,7 +296,7 @@ class EagleProposer(_SpecModelProposer):
             d, q = _choose(st, lg, greedy)
             d = self.d2t_ids[d]
             drafts.append(d)
-            qs.append(self._to_base(q))
+            qs.append(None if q is None else self._to_base(q))
             if i < self.depth - 1:
                 prefix = torch.ones(b, 1, i, dtype=torch.bool, device=dev)
                 ctx = _chain_block(self.cache, d[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev),
@@ -296,10 +304,9 @@ class EagleProposer(_SpecModelProposer):
                 hid, logits = self.spec.draft_step(d[:, None], h[:, None], ctx)
                 h, lg = hid[:, 0], logits[:, 0]
                 st.count_draft(1)
-        qs.append(torch.zeros_like(qs[0]))
         tokens = torch.stack(drafts, 1)
         valid = st.active_tensor(dev)[:, None].expand_as(tokens).contiguous()
-        return DraftTree(tokens, chain_parents(b, self.depth, dev) + 1, valid, torch.stack(qs, 1))
+        return DraftTree(tokens, chain_parents(b, self.depth, dev) + 1, valid, _stack_q(qs))
 
     def _tree(self, eng: Engine, st: BatchState) -> DraftTree:
         dev = eng.device

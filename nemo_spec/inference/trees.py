@@ -24,19 +24,37 @@ DEFAULT_MEDUSA_CHOICES: List[Choice] = [
 
 
 def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """anc [b, n, n] (True where j is an ancestor-or-self of i) and depth [b, n] from parents [b, n] (-1 = none)."""
+    """anc [b, n, n] (True where j is an ancestor-or-self of i) and depth [b, n] from parents [b, n] (-1 = none).
+
+    Invalid nodes attend only to themselves (depth 0). The transitive closure of the parent relation is
+    taken by repeated squaring (log2(n) batched matmuls), not a Python loop over nodes.
+    """
     b, n = parents.shape
     dev = parents.device
-    anc = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
-    depth = torch.zeros(b, n, dtype=torch.long, device=dev)
-    rows = torch.arange(b, device=dev)
-    for i in range(n):
-        par = parents[:, i]
-        has = (par >= 0) & valid[:, i]
-        pi = par.clamp(min=0)
-        anc[:, i] = anc[rows, pi] & has[:, None]
-        anc[:, i, i] = True
-        depth[:, i] = torch.where(has, depth[rows, pi] + 1, torch.zeros_like(pi))
+    eye = torch.eye(n, dtype=torch.bool, device=dev)[None].expand(b, n, n)
+    if n == 0:
+        return eye.clone(), torch.zeros(b, 0, dtype=torch.long, device=dev)
+    has = (parents >= 0) & valid
+    edge = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
+    edge.scatter_(2, parents.clamp(min=0)[:, :, None], has[:, :, None])
+    anc = eye | edge
+    reach = 1
+    while reach < n:
+        f = anc.float()
+        anc = torch.bmm(f, f) > 0
+        reach *= 2
+    depth = anc.sum(-1) - 1
+    return anc, depth
+
+
+def chain_mask(valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ancestor_mask` of right-padded chains (node i's parent is i - 1) given valid [b, n]."""
+    b, n = valid.shape
+    dev = valid.device
+    idx = torch.arange(n, device=dev)
+    tril = idx[None, :] <= idx[:, None]
+    anc = (tril[None] & valid[:, :, None]) | torch.eye(n, dtype=torch.bool, device=dev)[None]
+    depth = torch.where(valid, idx[None], torch.zeros_like(idx)[None])
     return anc, depth
 
 
