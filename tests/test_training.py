@@ -391,11 +391,115 @@ def test_torchrun_tp2_and_dp2_training(base, tmp_path):
         assert torch.allclose(dp2[k], single[k], atol=1e-5, rtol=1e-4), (k, (dp2[k] - single[k]).abs().max())
 
 
+# ---- the EAGLE-3 loss equals the reference formula (shifted full tensors, autograd soft CE) ----------------------
+def _reference_eagle3_losses(model, input_ids, loss_mask, ttt_steps, decay=0.8):
+    """The straightforward EAGLE-3 TTT loss: full-vocab logits indexed by the draft vocab, shifted copies, autograd."""
+    import torch.nn.functional as F
+
+    from nemo_spec.speculative.eagle import TTTContext, ttt_mask
+    from nemo_spec.speculative.losses import base_outputs, masked_mean, shift_left, shifted_mask
+
+    b, s = input_ids.shape
+    out = base_outputs(model, input_ids)
+    feats = model.fuse(model.base_features(out))
+    base_logits = out.logits.detach()
+    restricted = base_logits.index_select(-1, model.draft_vocab_ids())
+    in_vocab = model.draft_vocab_mask()[base_logits.argmax(-1)]
+    probs = F.softmax(restricted.float(), -1)
+    ctx = TTTContext(position_ids=torch.arange(s)[None].expand(b, s))
+    hidden, total, losses, accs = feats, 0.0, [], []
+    for i in range(ttt_steps):
+        ctx.position_ids = (torch.arange(s) + i)[None].expand(b, s)
+        ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
+        hidden, logits = model.draft_step(shift_left(input_ids, 1 + i), hidden, ctx)
+        tgt = shift_left(probs, 1 + i)
+        mask = shifted_mask(loss_mask, 2 + i) & shift_left(in_vocab, 1 + i, fill=False)
+        loss_i = masked_mean(-(tgt * F.log_softmax(logits.float(), -1)).sum(-1), mask)
+        total = total + decay ** i * loss_i
+        losses.append(loss_i.detach())
+        accs.append(masked_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), mask))
+    return total, losses, accs
+
+
+@pytest.mark.parametrize("case", ["full_vocab", "draft_vocab_masked", "short"])
+def test_eagle3_loss_matches_reference_formula(case, monkeypatch):
+    """Row-range targets and the row-blocked soft CE give the reference loss, accuracies and draft gradients."""
+    from nemo_spec.speculative import losses
+
+    monkeypatch.setattr(losses, "_row_block", lambda vocab, device: 5)  # many row blocks, a ragged last one
+    torch.manual_seed(0)
+    vd = None if case == "full_vocab" else 40
+    m = SpeculativeTransform(algorithm="eagle3", ttt_steps=3, draft_vocab_size=vd)(build_gpt(tiny_llama()))
+    with torch.no_grad():
+        for p in m.draft_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    s = 3 if case == "short" else 21  # short: the last unrolled step has no row to score
+    x = torch.randint(0, 96, (3, s))
+    if vd:  # most of the base's top tokens, but not all, are in the draft vocabulary
+        counts = torch.bincount(m.base_forward(x).logits.argmax(-1).flatten(), minlength=96).float() + torch.rand(96)
+        counts[counts.argmax()] = -1.0  # the most frequent top token is left out
+        m.set_draft_vocab(counts)
+        tops = m.base_forward(x).logits.argmax(-1)
+        assert 0.5 < m.draft_vocab_mask()[tops].float().mean() < 1.0
+    mask = torch.ones_like(x, dtype=torch.bool)
+    if case != "full_vocab":
+        mask = torch.rand(x.shape) < 0.6
+    ref_loss, ref_steps, ref_acc = _reference_eagle3_losses(m, x, mask, 3)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in m.draft.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    res = m.training_losses(x, mask)
+    res["loss"].backward()
+    assert torch.allclose(res["loss"], ref_loss, rtol=1e-6, atol=1e-6), (res["loss"], ref_loss)
+    assert torch.allclose(torch.stack(res["step_losses"]), torch.stack(ref_steps), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(torch.stack(res["step_acc"]), torch.stack(ref_acc), atol=1e-7)
+    for n, p in m.draft.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7), (n, (p.grad - ref_grads[n]).abs().max())
+
+
+def test_soft_cross_entropy_matches_autograd_formula(monkeypatch):
+    import torch.nn.functional as F
+
+    from nemo_spec.speculative import losses
+    from nemo_spec.speculative.losses import soft_cross_entropy, soft_cross_entropy_rows
+
+    monkeypatch.setattr(losses, "_row_block", lambda vocab, device: 8)
+
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(5, 7, 300, generator=g) * 3).requires_grad_()
+    p = F.softmax(torch.randn(5, 7, 300, generator=g) * 2, -1)
+    w = torch.rand(5, 7, generator=g)
+    ref = -(p * F.log_softmax(z, -1)).sum(-1)
+    (ref * w).sum().backward()
+    gref, z.grad = z.grad.clone(), None
+    ce = soft_cross_entropy(z, p)
+    (ce * w).sum().backward()
+    assert torch.allclose(ce, ref, rtol=1e-6, atol=1e-6) and torch.allclose(z.grad, gref, rtol=1e-5, atol=1e-8)
+    z.grad = None
+    rows, top = soft_cross_entropy_rows(z.reshape(35, 300), p.reshape(35, 300)[:20])  # first 20 rows only
+    (rows * w.reshape(35)[:20]).sum().backward()
+    assert torch.equal(top, z.detach().reshape(35, 300)[:20].argmax(-1))
+    assert torch.allclose(z.grad.reshape(35, 300)[:20], gref.reshape(35, 300)[:20], rtol=1e-5, atol=1e-8)
+    assert not z.grad.reshape(35, 300)[20:].any()
+    zb = z.detach().bfloat16().requires_grad_()  # low-precision logits: fp32 math, gradient in the logits dtype
+    soft_cross_entropy(zb, p).sum().backward()
+    assert zb.grad.dtype == torch.bfloat16
+
+
 def test_benchmark_reports_ratio():
     from nemo_spec.training.benchmark import benchmark_train_step
 
-    r = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2)
+    r = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2,
+                             draft_vocab_size=32)
     assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
+    assert r.draft_vocab_size == 32
+    from nemo_spec.training.benchmark import _parse
+
+    _, cfg = _parse([])  # default model: the built-in `small` base shape
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size,
+            cfg.vocab_size) == (256, 6, 4, 2, 704, 8192)
+    _, cfg = _parse(["--hidden", "128", "--layers", "2", "--vocab", "512"])
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.vocab_size) == (128, 32, 2, 512)
 
 
 @pytest.mark.gpu

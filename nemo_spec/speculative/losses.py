@@ -13,7 +13,7 @@ so the losses are identical on every TP rank and correct for vocab-parallel outp
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,65 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _row_block(vocab: int, device: torch.device) -> int:
+    """Rows per block for row-wise vocabulary passes: ~1 MiB of fp32 on CPU, so temporaries stay in cache and are
+    reused instead of faulting in fresh [rows, V] buffers; everything in one block on GPU."""
+    if device.type != "cpu":
+        return 1 << 40
+    return max(1, (1 << 18) // max(1, vocab))
+
+
+class _SoftCrossEntropyRows(torch.autograd.Function):
+    """Rows 0..N-1 of ``logits`` [R, V] (R >= N): -sum_v p log_softmax(z) against ``target_probs`` [N, V] in fp32,
+    plus each row's argmax (not differentiable). Rows N.. get a zero gradient.
+
+    Row-blocked, so no full-size temporary is made in either direction: the backward writes the gradient
+    (softmax(z) * sum_v p - p) * g, the expression autograd derives for the composite, straight into its output.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_probs: torch.Tensor):  # type: ignore[override]
+        n, v = target_probs.shape
+        ce = torch.empty(n, dtype=torch.float32, device=logits.device)
+        top = torch.empty(n, dtype=torch.long, device=logits.device)
+        step = _row_block(v, logits.device)
+        for a in range(0, n, step):
+            e = min(a + step, n)
+            z = logits[a:e].float()
+            ce[a:e] = -(target_probs[a:e].float() * F.log_softmax(z, dim=-1)).sum(-1)
+            top[a:e] = z.argmax(-1)
+        ctx.save_for_backward(logits, target_probs)
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, _grad_top: torch.Tensor):  # type: ignore[override]
+        logits, target_probs = ctx.saved_tensors
+        n, v = target_probs.shape
+        out = torch.empty_like(logits)
+        out[n:].zero_()
+        step = _row_block(v, logits.device)
+        for a in range(0, n, step):
+            e = min(a + step, n)
+            g = grad_ce[a:e, None].float()
+            p = target_probs[a:e].float()
+            grad = torch.softmax(logits[a:e].float(), dim=-1)
+            out[a:e] = grad.mul_(p.sum(-1, keepdim=True) * g).addcmul_(p, g, value=-1.0)
+        return out, None
+
+
+def soft_cross_entropy_rows(logits: torch.Tensor, target_probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy [N] in fp32, argmax [N]) of the first N = len(target_probs) rows of ``logits`` [R, V]."""
+    if target_probs.shape[0] > logits.shape[0] or target_probs.shape[1:] != logits.shape[1:]:
+        raise ValueError(f"target_probs {tuple(target_probs.shape)} does not fit logits {tuple(logits.shape)}")
+    return _SoftCrossEntropyRows.apply(logits, target_probs.detach())
+
+
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy -sum p log softmax(logits), in fp32."""
-    return -(target_probs.float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    """Per-position cross-entropy -sum p log softmax(logits), in fp32 (no gradient to the targets)."""
+    v = logits.shape[-1]
+    ce, _ = soft_cross_entropy_rows(logits.reshape(-1, v), target_probs.reshape(-1, v))
+    return ce.view(logits.shape[:-1])
 
 
 def shifted_mask(loss_mask: torch.Tensor, shift: int) -> torch.Tensor:
@@ -81,16 +137,43 @@ def eagle1_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     return res
 
 
+def eagle3_targets(model, out: GPTOutput) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """EAGLE-3 targets in [s, b] row order: the base's distribution over the draft vocabulary [s, b, Vd] (fp32), its
+    argmax [s, b] (draft ids), and whether the base's top token over the full vocabulary is in the draft vocabulary
+    [s, b] (None when the draft vocabulary is the whole base vocabulary in base order: always)."""
+    logits = out.logits.detach().transpose(0, 1)  # [s, b, V]: gpt_forward's own memory layout
+    s, b, v = logits.shape
+    rows = logits.reshape(s * b, v)
+    ids = model.draft_vocab_ids().to(logits.device)
+    identity = ids.numel() == v and not bool(model.d2t.any())
+    t2d = None if identity else model.draft_vocab_mask().to(logits.device)
+    probs = torch.empty(s * b, ids.numel(), dtype=torch.float32, device=logits.device)
+    top = torch.empty(s * b, dtype=torch.long, device=logits.device)
+    in_vocab = None if identity else torch.empty(s * b, dtype=torch.bool, device=logits.device)
+    step = _row_block(v, logits.device)
+    for a in range(0, s * b, step):  # row blocks: one read of the base logits, no full-size temporaries
+        z = rows[a:a + step]
+        if not identity:
+            in_vocab[a:a + step] = t2d[z.argmax(-1)]
+            z = z.index_select(-1, ids)
+        probs[a:a + step] = F.softmax(z.float(), -1)
+        top[a:a + step] = probs[a:a + step].argmax(-1)
+    return (probs.view(s, b, -1), top.view(s, b), None if in_vocab is None else in_vocab.view(s, b))
+
+
 def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
                   ttt_steps: int, decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
-    """EAGLE-3 training-time test: ``ttt_steps`` unrolled steps, soft CE vs the base restricted to the draft vocab."""
+    """EAGLE-3 training-time test: ``ttt_steps`` unrolled steps, soft CE vs the base restricted to the draft vocab.
+
+    Step i, row t (t < s - 2 - i) is scored against the base distribution at t + 1 + i where ``loss_mask`` at
+    t + 2 + i is set and the base's top token there is in the draft vocabulary. Work happens in the [s, b] row
+    order the models produce, on row ranges (no shifted copies; rows past the end are not scored).
+    """
     b, s = input_ids.shape
     feats = model.fuse(model.base_features(out))
-    base_logits = out.logits.detach()
-    t2d = model.draft_vocab_mask().to(base_logits.device)
-    restricted = base_logits.index_select(-1, model.draft_vocab_ids().to(base_logits.device))  # [b, s, Vd]
-    in_vocab = t2d[base_logits.argmax(-1)]  # base's top token representable by the draft
-    probs = F.softmax(restricted.float(), -1)
+    probs, top, in_vocab = eagle3_targets(model, out)
+    vd = probs.shape[-1]
+    mask_sb = loss_mask.bool().t()
     ctx = TTTContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s))
     hidden = feats
     total = torch.zeros((), device=input_ids.device)
@@ -102,18 +185,22 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
         ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
         tokens = shift_left(input_ids, 1 + i)
         hidden, logits = model.draft_step(tokens, hidden, ctx)
-        tgt = shift_left(probs, 1 + i)
-        mask = shifted_mask(loss_mask, 2 + i) & shift_left(in_vocab, 1 + i, fill=False)
-        loss_i = masked_mean(soft_cross_entropy(logits, tgt), mask)
+        n = max(0, s - 2 - i)  # rows t whose predicted token t + 2 + i exists
+        ce, pred = soft_cross_entropy_rows(logits.transpose(0, 1).reshape(s * b, vd),
+                                           probs[1 + i: 1 + i + n].reshape(n * b, vd))
+        mask = mask_sb[2 + i: 2 + i + n]
+        if in_vocab is not None:
+            mask = mask & in_vocab[1 + i: 1 + i + n]
+        loss_i = masked_mean(ce.view(n, b), mask)
         total = total + (decay ** i) * loss_i
         with torch.no_grad():
-            step_acc.append(masked_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), mask))
+            step_acc.append(masked_mean((pred.view(n, b) == top[1 + i: 1 + i + n]).float(), mask))
         step_losses.append(loss_i.detach())
         if return_logits:
             step_logits.append(logits)
     res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
     if return_logits:
-        res.update(base_logits=base_logits, step_logits=step_logits)
+        res.update(base_logits=out.logits.detach(), step_logits=step_logits)
     return res
 
 
