@@ -40,14 +40,31 @@ def _tp_group() -> Any:
     return ps.get_tensor_model_parallel_group()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` — except on CPU for up to 10 rows, computed as ``(W @ x^T)^T``.
+
+    Decode steps, verification blocks and draft trees are a few tokens wide. For such shapes the CPU GEMM
+    behind ``F.linear`` costs up to ~1.5x ``W @ x^T`` in-model (small base, one thread: 1 row 9.4 vs 8.0 ms,
+    4 rows 11.9 vs 7.9 ms, 9 rows 14.5 vs 11.5 ms per forward; from 12 rows on ``F.linear`` wins). Same
+    math; the summation order may differ in the last bits, as between any two GEMM kernels.
+    """
+    if x.device.type == "cpu":
+        rows = x.numel() // x.shape[-1]
+        if rows <= 10:
+            y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+            y = y.view(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 def column(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A ColumnParallelLinear (gather_output=False) with its bias added: local output shard."""
-    return F.linear(x, lin.weight, lin.bias)
+    return linear(x, lin.weight, lin.bias)
 
 
 def row(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A RowParallelLinear: local partial product, all-reduced over TP, then the (replicated) bias."""
-    y = F.linear(x, lin.weight)
+    y = linear(x, lin.weight)
     if parallel.tp_size() > 1:
         torch.distributed.all_reduce(y, group=_tp_group())
     if lin.bias is not None:

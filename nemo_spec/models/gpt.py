@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
@@ -85,7 +84,7 @@ def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor, fast: bool =
     m = unwrap(model)
     weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
     if fast:
-        return F.linear(hidden_sbh, m.output_layer.weight if weight is None else weight, m.output_layer.bias)
+        return fastpath.linear(hidden_sbh, m.output_layer.weight if weight is None else weight, m.output_layer.bias)
     logits, _ = m.output_layer(hidden_sbh, weight=weight)
     return logits
 
