@@ -457,6 +457,38 @@ def test_eagle3_loss_matches_reference_formula(case, monkeypatch):
         assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7), (n, (p.grad - ref_grads[n]).abs().max())
 
 
+def test_eagle1_loss_matches_reference_formula(monkeypatch):
+    import torch.nn.functional as F
+
+    from nemo_spec.speculative import losses
+    from nemo_spec.speculative.losses import base_outputs, masked_mean, shift_left, shifted_mask
+
+    monkeypatch.setattr(losses, "_row_block", lambda vocab, device: 7)
+    torch.manual_seed(0)
+    m = SpeculativeTransform(algorithm="eagle1")(build_gpt(tiny_llama()))
+    with torch.no_grad():
+        for p in m.draft_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    x = torch.randint(0, 96, (3, 17))
+    mask = torch.rand(x.shape) < 0.6
+    out = base_outputs(m, x)
+    hid, logits = m.draft_step(shift_left(x, 1), out.hidden)
+    rows = shifted_mask(mask, 2)
+    tgt = shift_left(out.logits, 1)
+    reg = F.smooth_l1_loss(hid, shift_left(out.hidden, 1), reduction="none").mean(-1)
+    ce = -(F.softmax(tgt, -1) * F.log_softmax(logits, -1)).sum(-1)
+    ref = masked_mean(reg, rows) + 0.1 * masked_mean(ce, rows)
+    ref_acc = masked_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), rows)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in m.draft.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    res = m.training_losses(x, mask)
+    res["loss"].backward()
+    assert torch.allclose(res["loss"], ref, rtol=1e-6, atol=1e-6) and torch.allclose(res["step_acc"][0], ref_acc)
+    for n, p in m.draft.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7), (n, (p.grad - ref_grads[n]).abs().max())
+
+
 def test_soft_cross_entropy_matches_autograd_formula(monkeypatch):
     import torch.nn.functional as F
 

@@ -114,22 +114,42 @@ def base_outputs(model, input_ids: torch.Tensor) -> GPTOutput:
         return gpt_forward(model.gpt, input_ids, aux_layers=model.aux_layers, compute_logits=True, gather=True)
 
 
+def _softmax_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(softmax in fp32, argmax) of logits rows [R, V], computed in row blocks (one read, no full-size temporary)."""
+    r, v = rows.shape
+    probs = torch.empty(r, v, dtype=torch.float32, device=rows.device)
+    top = torch.empty(r, dtype=torch.long, device=rows.device)
+    step = _row_block(v, rows.device)
+    for a in range(0, r, step):
+        z = rows[a:a + step]
+        probs[a:a + step] = F.softmax(z.float(), -1)
+        top[a:a + step] = z.argmax(-1)
+    return probs, top
+
+
 def eagle1_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
                   ce_weight: float = 0.1, return_logits: bool = False) -> Dict[str, object]:
-    """EAGLE-1: SmoothL1(draft hidden, next base feature) + ce_weight * soft CE through the frozen head."""
+    """EAGLE-1: SmoothL1(draft hidden, next base feature) + ce_weight * soft CE through the frozen head.
+
+    Row t (t < s - 2, ``loss_mask`` at t + 2 set) is scored against the base at t + 1; the vocabulary-sized part
+    works on row ranges of the [s, b] tensors the models produce.
+    """
+    b, s = input_ids.shape
     feats = out.hidden.detach()
     base_logits = out.logits.detach()
     tokens = shift_left(input_ids, 1)
     hid, logits = model.draft_step(tokens, feats)
     mask = shifted_mask(loss_mask, 2)
-    feat_target = shift_left(feats, 1)
-    tgt_logits = shift_left(base_logits, 1)
-    reg = F.smooth_l1_loss(hid.float(), feat_target.float(), reduction="none").mean(-1)
-    ce = soft_cross_entropy(logits, F.softmax(tgt_logits.float(), -1))
-    reg_l, ce_l = masked_mean(reg, mask), masked_mean(ce, mask)
+    reg = F.smooth_l1_loss(hid.float(), shift_left(feats, 1).float(), reduction="none").mean(-1)
+    reg_l = masked_mean(reg, mask)
+    n, v = max(0, s - 2), logits.shape[-1]
+    probs, top = _softmax_rows(base_logits.transpose(0, 1)[1:1 + n].reshape(n * b, v))
+    ce, pred = soft_cross_entropy_rows(logits.transpose(0, 1).reshape(s * b, v), probs)
+    mask_sb = loss_mask.bool().t()[2:2 + n]
+    ce_l = masked_mean(ce.view(n, b), mask_sb)
     loss = reg_l + ce_weight * ce_l
     with torch.no_grad():
-        acc = masked_mean((logits.argmax(-1) == tgt_logits.argmax(-1)).float(), mask)
+        acc = masked_mean((pred.view(n, b) == top.view(n, b)).float(), mask_sb)
     res: Dict[str, object] = {"loss": loss, "step_losses": [loss.detach()], "step_acc": [acc],
                               "reg_loss": reg_l.detach(), "ce_loss": ce_l.detach()}
     if return_logits:
