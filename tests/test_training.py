@@ -362,7 +362,8 @@ def test_script_end_to_end(base, tmp_path):
     assert "algorithm: eagle1" in p.stdout and "trained 3 steps" in p.stdout
     run = tmp_path / "run"
     assert "algorithm: eagle1" in (run / "config.yaml").read_text()
-    assert (run / "checkpoints" / "last" / "nemo_spec_train.json").exists() and (run / "final" / "nemo_spec_config.json").exists()
+    assert (run / "checkpoints" / "last" / "nemo_spec_train.json").exists()
+    assert (run / "final" / "nemo_spec_config.json").exists()
     bad = subprocess.run(cmd + ["trainer.nope=1"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode != 0 and "Could not override 'trainer.nope'" in bad.stderr
 

@@ -209,8 +209,8 @@ class MegatronStrategy(SingleDeviceStrategy):
                 dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
             if rank0:
                 meta = {"format": CKPT_FORMAT, "tensor_parallel_size": parallel.tp_size(),
-                        "data_parallel_size": dp_rank_size()[1], "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-                        "trainable_keys": sorted(params)}
+                        "data_parallel_size": dp_rank_size()[1], "global_step": checkpoint.get("global_step"),
+                        "epoch": checkpoint.get("epoch"), "trainable_keys": sorted(params)}
                 (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last file: marks the save complete
         except BaseException as e:  # noqa: BLE001
             err = e
@@ -249,14 +249,15 @@ class MegatronStrategy(SingleDeviceStrategy):
         except _read_errors() as e:  # any reader failure means an unreadable checkpoint
             raise TrainCheckpointError(f"{path}: cannot read the common state ({_short_error(e)})") from e
         params = {k: _empty_like_sharded(v) for k, v in self.lightning_module.trainable_sharded_state_dict().items()}
-        saved_keys = set(meta.get("trainable_keys") or params)
-        if saved_keys != set(params):
-            raise TrainCheckpointError(
-                f"{path} holds the trainable state of a different model (algorithm / draft config): only in the "
-                f"checkpoint {sorted(saved_keys - set(params))[:4]}, only in this run {sorted(set(params) - saved_keys)[:4]}")
-        template: Dict[str, Any] = {"state_dict": params, "optimizer_states": []}
-        for i, state in enumerate(common.get("optimizer_states", [])):
-            template["optimizer_states"].append(_optimizer_template(i, state, params, path))
+        saved, want = set(meta.get("trainable_keys") or params), set(params)
+        if saved != want:
+            raise TrainCheckpointError(f"{path} holds the trainable state of a different model (algorithm / draft "
+                                       f"config): only in the checkpoint {sorted(saved - want)[:4]}, only in this "
+                                       f"run {sorted(want - saved)[:4]}")
+        template: Dict[str, Any] = {"state_dict": params}
+        if "optimizer_states" in common:
+            template["optimizer_states"] = [_optimizer_template(i, state, params, path)
+                                            for i, state in enumerate(common["optimizer_states"])]
         source = "this run's model (algorithm / draft / model config)"
         try:
             check_sharded_shapes(template, path, source)
