@@ -115,3 +115,15 @@ def test_fast_inference_path_matches_module_forward(make):
         torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
     # with gradients on, the module forward is used (training never takes the fast path)
     assert not fastpath.active()
+
+
+def test_last_logits_only_matches_full_forward():
+    torch.manual_seed(0)
+    m = build_gpt(tiny_llama()).eval()
+    x = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        full = gpt_forward(m, x)
+        last = gpt_forward(m, x, last_logits_only=True)
+    assert last.logits.shape == (2, 1, 96)
+    torch.testing.assert_close(last.logits[:, 0], full.logits[:, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.hidden, full.hidden)

@@ -177,7 +177,7 @@ class Engine:
         cache = self.cache("target", b, need, lambda bb, ll: new_kv_cache(self.model, bb, ll))
         self.kv = cache
         ctx = prefill_context(cache, lens, P)
-        out = gpt_forward(self.target, tokens, ctx, aux_layers=aux_layers)
+        out = gpt_forward(self.target, tokens, ctx, aux_layers=aux_layers, last_logits_only=True)
         cache.lengths.fill_(P)
         for r in range(b):
             st.target_forwards[r] += 1

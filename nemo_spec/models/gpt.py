@@ -91,12 +91,13 @@ def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor, fast: bool =
 
 def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[AttnContext] = None,
                 aux_layers: Sequence[int] = (), compute_logits: bool = True,
-                gather: bool = True, fast: Optional[bool] = None) -> GPTOutput:
+                gather: bool = True, fast: Optional[bool] = None, last_logits_only: bool = False) -> GPTOutput:
     """Run the base model on input_ids [b, s] with explicit positions/mask/cache (ctx); [b, s, ...] outputs.
 
     ``aux_layers`` are 0-based layer indices whose outputs are returned (EAGLE-3 features).
     ``gather=False`` keeps vocab-parallel logits local to the TP rank.
     ``fast``: evaluate the layers with :mod:`nemo_spec.models.fastpath` (default: when gradients are off).
+    ``last_logits_only``: logits [b, 1, V] of the last position only (a prefill needs no more).
     """
     m = unwrap(model)
     b, s = input_ids.shape
@@ -119,7 +120,7 @@ def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[A
         h = fastpath.norm(m.decoder.final_layernorm, h) if fast else m.decoder.final_layernorm(h)
     logits = None
     if compute_logits:
-        logits = output_logits(m, h, fast=fast)
+        logits = output_logits(m, h[-1:] if last_logits_only else h, fast=fast)
         if gather:
             logits = gather_vocab(logits)
         logits = logits.transpose(0, 1)
