@@ -127,3 +127,18 @@ def test_last_logits_only_matches_full_forward():
     assert last.logits.shape == (2, 1, 96)
     torch.testing.assert_close(last.logits[:, 0], full.logits[:, -1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(last.hidden, full.hidden)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_bf16_model_runs_both_paths(make):
+    """A model built with params_dtype=bf16 has bf16 parameters throughout (megatron leaves torch norms and learned
+    positions in fp32) and runs through the module forward and the fast path with matching logits."""
+    torch.manual_seed(0)
+    m = build_gpt(make(), params_dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    x = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        a = gpt_forward(m, x, fast=False).logits.float()
+        b = gpt_forward(m, x, fast=True).logits.float()
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)

@@ -48,7 +48,10 @@ def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Ten
 
 
 def chain_mask(valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ancestor_mask` of right-padded chains (node i's parent is i - 1) given valid [b, n]."""
+    """:func:`ancestor_mask` of right-padded chains (node i's parent is i - 1) given valid [b, n].
+
+    ``valid`` must be a prefix per row (as :func:`pad_chains` makes it); a gap would be treated differently.
+    """
     b, n = valid.shape
     dev = valid.device
     idx = torch.arange(n, device=dev)

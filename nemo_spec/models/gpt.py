@@ -38,7 +38,18 @@ def build_gpt(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="learned_absolute" if cfg.position_embedding == "learned" else "none",
     )
     model.nemo_spec_config = cfg  # the ModelConfig travels with the module
+    cast_params(model, params_dtype)
     return model.to(device or default_device())
+
+
+def cast_params(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Give every floating-point parameter ``dtype`` (megatron builds torch norms and learned position
+    embeddings in fp32 whatever ``params_dtype`` is, and a bf16 GPT-2-style model then fails at its first
+    linear). Buffers such as RoPE inverse frequencies stay fp32."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
 
 
 def unwrap(model: torch.nn.Module) -> GPTModel:

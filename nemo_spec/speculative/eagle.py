@@ -45,7 +45,7 @@ from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope
-from nemo_spec.models.gpt import gather_vocab, output_logits
+from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
 from nemo_spec.models.spec import layer_spec, transformer_config
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class EagleDraft(MegatronModule):
             self._init_head_from_base(base)
         else:
             self.draft_vocab_size = model_config.vocab_size
+        cast_params(self, p.dtype)
         self.to(p.device)
 
     # ---- vocabulary mapping (EAGLE-3) -------------------------------------------------------------------
