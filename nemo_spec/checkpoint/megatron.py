@@ -12,13 +12,14 @@ directories (``nemo_spec.checkpoint.hf.load_hf``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 
@@ -258,6 +259,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # save
 # ----------------------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def quiet_dcp_warnings() -> Iterator[None]:
+    """Silence torch DCP's FutureWarnings about the ShardedTensor API megatron still uses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+        yield
+
+
 def _save_strategy():
     """Synchronous torch_dist save strategy (works on gloo/CPU and nccl/GPU)."""
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -477,9 +487,7 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
     if sharded_sd is None:
         sharded_sd = module.sharded_state_dict()
     check_sharded_shapes(sharded_sd, ckpt_dir, source)
-    with warnings.catch_warnings():  # torch DCP deprecation notices about ShardedTensor that megatron still uses
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+    with quiet_dcp_warnings():
         loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
     if key_map is not None:
         loaded = key_map(loaded)

@@ -17,15 +17,13 @@
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +34,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from nemo_spec import parallel
 from nemo_spec._cpu import apply_cpu_workarounds
 from nemo_spec.checkpoint.megatron import (DIST_METADATA, CheckpointError, _all_ok, _commit, _save_strategy,
-                                           check_sharded_shapes)
+                                           check_sharded_shapes, quiet_dcp_warnings)
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +203,7 @@ class MegatronStrategy(SingleDeviceStrategy):
         if not _all_ok(err is None):
             raise TrainCheckpointError(f"could not create {tmp} ({err or 'failed on rank 0'})")
         try:
-            with _quiet_dcp_warnings():
+            with quiet_dcp_warnings():
                 dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
             if rank0:
                 meta = {"format": CKPT_FORMAT, "tensor_parallel_size": parallel.tp_size(),
@@ -267,7 +265,7 @@ class MegatronStrategy(SingleDeviceStrategy):
             log.info("resharding training checkpoint %s from tensor_parallel_size=%d to %d", path,
                      meta["tensor_parallel_size"], parallel.tp_size())
         try:
-            with _quiet_dcp_warnings():
+            with quiet_dcp_warnings():
                 loaded = dist_checkpointing.load(template, str(path))
         except _read_errors() as e:
             raise TrainCheckpointError(f"{path}: reading the sharded tensors failed, the checkpoint is incomplete "
@@ -346,15 +344,6 @@ def _json_or_none(f: Path) -> Any:
         return json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-
-
-@contextlib.contextmanager
-def _quiet_dcp_warnings() -> Iterator[None]:
-    """Silence torch DCP's FutureWarnings about the ShardedTensor API megatron still uses."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
-        yield
 
 
 def _optim_prefix(i: int) -> str:
