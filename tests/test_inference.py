@@ -197,6 +197,12 @@ def test_bad_inputs_give_clear_errors(llama):
         generate(_spec(m, "eagle1"), [[1]], SamplingParams(), method="medusa")
     with pytest.raises(SamplingError, match="prefix"):
         generate(_spec(m, "medusa"), [[1]], SamplingParams(), method="medusa", options={"medusa_choices": [(0, 1)]})
+    with pytest.raises(SamplingError, match=r"unknown generation option\(s\) \['dpeth'\]"):
+        generate(m, [[1]], SamplingParams(), options={"dpeth": 3})
+    for bad in (0, -1.0, float("nan"), "0.5", True):
+        with pytest.raises(SamplingError, match="score_temperature"):
+            generate(_spec(m, "eagle1"), [[1]], SamplingParams(), method="eagle_tree",
+                     options={"score_temperature": bad})
 
 
 @pytest.mark.slow
@@ -268,6 +274,23 @@ def test_medusa_custom_choices_and_tree_options(llama, trained):
                     options={"depth": 4, "top_k": 2, "total_tokens": 6})
     assert [o.tokens for o in outs] == ref
     assert all(o.stats["draft_forwards"] >= 4 * (o.stats["target_forwards"] - 1) for o in outs)
+
+
+def test_tree_score_temperature_shapes_the_tree(llama, trained):
+    """Greedy rows rank tree nodes at score_temperature: near 0 a D-node tree of depth D is exactly the draft's
+    top-1 chain (same acceptance as chain drafting); very hot, depth stops mattering and the tree goes shallow."""
+    m, ref = llama
+    sp = SamplingParams(max_new_tokens=10)
+    spec = trained["eagle3"]
+    chain = generate(spec, PROMPTS, sp, method="eagle", options={"num_draft_tokens": 3})
+    tree = {t: generate(spec, PROMPTS, sp, method="eagle_tree",
+                        options={"depth": 3, "top_k": 2, "total_tokens": 3, "score_temperature": t})
+            for t in (1e-4, 1e4)}
+    for outs in tree.values():
+        assert [o.tokens for o in outs] == ref
+    assert [o.stats["accept_hist"] for o in tree[1e-4]] == [o.stats["accept_hist"] for o in chain]
+    # hot: path probability no longer favours depth, the 3 nodes spread over siblings and acceptance changes
+    assert [o.stats["accept_hist"] for o in tree[1e4]] != [o.stats["accept_hist"] for o in chain]
 
 
 def test_seeded_prompt_lookup_row_does_not_depend_on_its_batch():

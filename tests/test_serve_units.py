@@ -182,6 +182,8 @@ def test_serve_config_errors_name_the_field():
         ServeConfig.from_dict({"models": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]})
     with pytest.raises(ConfigError, match="max_queue"):
         ServeConfig(max_queue=0).validate()
+    with pytest.raises(ConfigError, match=r"unknown generation option\(s\) \['top-k'\]"):
+        ModelSpec(name="m", path="/x", method="eagle_tree", options={"top-k": 4}).validate()
 
 
 def test_max_context_beyond_model_is_rejected(tok):

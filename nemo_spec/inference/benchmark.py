@@ -285,6 +285,7 @@ def build_parser():
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--score-temperature", type=float, default=None, help="eagle_tree: greedy ranking temperature")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is reported)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -318,7 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         texts = default_prompts(args.num_prompts)
     prompts = [tokenizer.encode(t, add_special_tokens=False) or [0] for t in texts]
     options = {k: v for k, v in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth),
-                                 ("top_k", args.tree_top_k), ("total_tokens", args.total_tokens)] if v is not None}
+                                 ("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
+                                 ("score_temperature", args.score_temperature)] if v is not None}
     parallel.initialize(1)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.model, dtype=dtype)

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=None, help="eagle_tree: tree depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="eagle_tree: top-k children per level")
     p.add_argument("--total-tokens", type=int, default=None, help="eagle_tree: draft nodes verified per step")
+    p.add_argument("--score-temperature", type=float, default=None,
+                   help="eagle_tree: draft temperature for ranking tree nodes of greedy rows (default 0.2)")
     p.add_argument("--medusa-choices", default=None, help="medusa: JSON list of rank paths, e.g. '[[0],[1],[0,0]]'")
     p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram matched")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
@@ -75,7 +77,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     """Method options dict for :func:`nemo_spec.inference.generate`."""
     opts: Dict[str, Any] = {}
     for key, val in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth), ("top_k", args.tree_top_k),
-                     ("total_tokens", args.total_tokens), ("max_ngram", args.max_ngram)]:
+                     ("total_tokens", args.total_tokens), ("score_temperature", args.score_temperature),
+                     ("max_ngram", args.max_ngram)]:
         if val is not None:
             opts[key] = val
     if args.medusa_choices:

@@ -45,8 +45,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
              tokenizer: Any = None, on_tokens: Optional[OnTokens] = None) -> List[GenerationResult]:
     """Generate continuations of token-id prompts with method ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup.
 
-    ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``medusa_choices``,
-    ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``, ``ignore_eos``).
+    ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``score_temperature``,
+    ``medusa_choices``, ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``,
+    ``ignore_eos``); an unknown name is an error.
     ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row.
     """
     if method not in METHODS:

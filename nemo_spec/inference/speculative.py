@@ -8,6 +8,7 @@ outputs it needs), and three hooks called by :func:`nemo_spec.inference.engine.r
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -26,6 +27,28 @@ def _opt_int(options: Dict[str, Any], key: str, default: int, lo: int = 1) -> in
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise SamplingError(f"option {key!r} must be an int >= {lo}, got {v!r}")
     return v
+
+
+def _opt_float(options: Dict[str, Any], key: str, default: float) -> float:
+    v = options.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SamplingError(f"option {key!r} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+# Greedy rows rank EAGLE-2 tree candidates at this draft temperature (see EagleProposer._score_temperatures).
+DEFAULT_SCORE_TEMPERATURE = 0.2
+
+# Every option generate() understands: method knobs, then engine knobs. Anything else is a typo.
+KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
+                 "max_ngram", "min_ngram", "pad_id", "max_cache_len", "ignore_eos")
+
+
+def check_options(options: Dict[str, Any]) -> None:
+    """Reject unknown option names (a misspelt knob would otherwise be silently ignored)."""
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise SamplingError(f"unknown generation option(s) {unknown}; known options: {list(KNOWN_OPTIONS)}")
 
 
 class ARProposer:
@@ -223,6 +246,7 @@ class EagleProposer(_SpecModelProposer):
             self.total = min(self.total, cap)
             self.lookahead = self.total
             self.spec_slots = self.depth * self.top_k
+            self.score_temperature = _opt_float(options, "score_temperature", DEFAULT_SCORE_TEMPERATURE)
         else:
             self.depth = _opt_int(options, "num_draft_tokens", options.get("depth", 4))
             self.lookahead = self.depth
@@ -308,11 +332,25 @@ class EagleProposer(_SpecModelProposer):
         valid = st.active_tensor(dev)[:, None].expand_as(tokens).contiguous()
         return DraftTree(tokens, chain_parents(b, self.depth, dev) + 1, valid, _stack_q(qs))
 
+    def _score_temperatures(self, st: BatchState, dev: torch.device) -> torch.Tensor:
+        """Per-row temperature [b, 1] for ranking tree candidates.
+
+        EAGLE-2 ranks nodes by the draft's path probability, a proxy for the chance the target accepts them.
+        A sampling row accepts by the target's warped distribution, so its own temperature is the right
+        sharpening. A greedy row accepts exactly the target's argmax, which a draft that has learned the
+        target's (often flat) distribution predicts far more often than its probabilities say: ranked at
+        temperature 1 the deep top-1 chain loses to shallow siblings. ``score_temperature`` (< 1) sharpens
+        greedy rows' scores so the tree keeps its depth. Only the tree's shape changes; output is unaffected.
+        """
+        t = [self.score_temperature if p.greedy else float(p.temperature) for p in st.params]
+        return torch.tensor(t, dtype=torch.float32, device=dev)[:, None]
+
     def _tree(self, eng: Engine, st: BatchState) -> DraftTree:
         dev = eng.device
         b, k = st.b, self.top_k
         rows = torch.arange(b, device=dev)[:, None]
-        lp = torch.log_softmax(self.root_logits.float(), -1).clamp(min=-1e4)
+        temp = self._score_temperatures(st, dev)
+        lp = torch.log_softmax(self.root_logits.float() / temp, -1).clamp(min=-1e4)
         s, t = lp.topk(k, -1)
         cand_tok, cand_score, cand_par, cand_depth = [self.d2t_ids[t]], [s], [torch.full((b, k), -1, device=dev)], [
             torch.ones(b, k, device=dev)]
@@ -328,7 +366,7 @@ class EagleProposer(_SpecModelProposer):
             hid, logits = self.spec.draft_step(exp_tok, exp_h, ctx)
             st.count_draft(1)
             S = prefix.shape[-1]
-            lp = torch.log_softmax(logits.float(), -1).clamp(min=-1e4)
+            lp = torch.log_softmax(logits.float() / temp[:, None], -1).clamp(min=-1e4)
             s2, t2 = lp.topk(k, -1)  # [b, k, k]
             cum = (exp_score[:, :, None] + s2).reshape(b, k * k)
             par = exp_idx[:, :, None].expand(b, k, k).reshape(b, k * k)
@@ -405,6 +443,7 @@ METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup"
 def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_model: Optional[torch.nn.Module],
                   options: Dict[str, Any]):
     """The proposer for ``method`` (validated before any forward pass)."""
+    check_options(options)
     if method == "ar":
         return ARProposer()
     if method == "prompt_lookup":

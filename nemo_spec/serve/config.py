@@ -47,6 +47,11 @@ class ModelSpec:
             raise ConfigError(f"{where}: default_max_tokens must be an int >= 1, got {self.default_max_tokens!r}")
         if not isinstance(self.options, dict):
             raise ConfigError(f"{where}: options must be a mapping, got {type(self.options).__name__}")
+        from nemo_spec.inference.speculative import KNOWN_OPTIONS
+
+        unknown = sorted(set(self.options) - set(KNOWN_OPTIONS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown generation option(s) {unknown}; known: {list(KNOWN_OPTIONS)}")
         return self
 
     @classmethod
