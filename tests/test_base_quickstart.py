@@ -39,3 +39,48 @@ def test_cli_reports_missing_stage(monkeypatch, tmp_path, capsys):
     rc = Q.main(["--preset", "tiny", "--cache_dir", str(tmp_path), "--stages", "speculate"])
     assert rc == 2
     assert "stopped before stage 'speculate'" in capsys.readouterr().err
+
+
+def test_stage_cache_is_keyed_by_settings_chained_through_the_stages(tmp_path):
+    res = Q.QuickstartResult(work_dir=tmp_path)
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+
+    def run(settings_a, settings_b):
+        res.fingerprints.clear()
+        done = []
+        for stage, settings, out in (("a", settings_a, out_a), ("b", settings_b, out_b)):
+            if not Q._reuse_or_reset(res, stage, settings, [out], (out / "done").is_file):
+                out.mkdir(exist_ok=True)
+                (out / "partial").write_text("x")
+                (out / "done").write_text(str(settings))
+                done.append(stage)
+        return done
+
+    assert run(1, 1) == ["a", "b"]
+    assert run(1, 1) == []                    # same settings: both reused
+    assert run(1, 2) == ["b"]                 # only b changed
+    assert run(2, 2) == ["a", "b"]            # a changed: b's inputs changed too
+    assert (out_b / "done").read_text() == "2"
+    (out_b / "done").unlink()                 # b interrupted after a partial write, same settings:
+    assert not Q._reuse_or_reset(res, "b", 2, [out_b], (out_b / "done").is_file)
+    assert (out_b / "partial").is_file()      # ... its partial output is kept (resume)
+    assert not Q._reuse_or_reset(res, "b", 3, [out_b], (out_b / "done").is_file)
+    assert not out_b.exists()                 # other settings: the stale output is removed first
+
+
+def test_tiny_quickstart_end_to_end_then_cached_then_partly_redone(tmp_path):
+    kw = dict(preset="tiny", cache_dir=str(tmp_path), draft_vocab_size=256, train_steps=2, train_bs=2,
+              train_seq_len=64, num_prompts=2, max_new_tokens=6, extra={"benchmark": ["--repeats", "1"]})
+    res = Q.run_quickstart(Q.QuickstartConfig(**kw))
+    assert res.cached == []
+    table = res.table
+    for row in ("| nemo_spec | ar | 1 |", "| nemo_spec | eagle | 1 |", "| nemo_spec | eagle_tree | 1 |",
+                "| transformers | plain | 1 |"):
+        assert row in table, table
+    assert "- target at batch 1: EAGLE tree tau >= 3.5: " in table
+    assert (res.outputs["export"] / "README.md").is_file()
+    again = Q.run_quickstart(Q.QuickstartConfig(**kw))
+    assert again.cached == list(Q.STAGES) and again.table == table
+    changed = Q.run_quickstart(Q.QuickstartConfig(**{**kw, "max_new_tokens": 4}))
+    assert changed.cached == ["base", "speculate", "data", "train", "export"]
+    assert "2 prompts, 4 new tokens each" in changed.table

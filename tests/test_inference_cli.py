@@ -99,9 +99,21 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
     assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
     assert all(r["new_tokens"] == 18 and r["tokens_per_s"] > 0 for r in res["rows"])
     assert "ar_vs_transformers_b1" in res["summary"] and "best_speculative_b1" in res["summary"]
+    (t,) = res["targets"]  # no EAGLE model here: only the AR-vs-transformers target applies
+    assert t["value"] == res["summary"]["ar_vs_transformers_b1"] and t["met"] == (t["value"] >= 1.0)
     paths = bench.write_outputs(res, tmp_path / "out")
+    assert "- target at batch 1: our AR tokens/s vs transformers generate >= 1: " in paths["benchmark.md"].read_text()
     assert json.loads(paths["benchmark.json"].read_text())["config"]["max_new_tokens"] == 6
     assert "| transformers | assistant_model | 1 |" in paths["benchmark.md"].read_text()
     assert paths["benchmark.png"].read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SamplingError, match="not available"):
         bench.benchmark(model, prompts, None, methods=["eagle"], hf=False)
+
+
+def test_benchmark_targets_pick_the_batch1_eagle_rows():
+    row = lambda m, b, sp, tau=1.0: {"engine": "nemo_spec", "method": m, "batch_size": b, "speedup_vs_ar": sp,  # noqa: E731
+                                     "tau": tau}
+    rows = [row("ar", 1, 1.0), row("eagle", 1, 1.8, 3.4), row("eagle_tree", 1, 1.5, 3.6), row("eagle", 8, 2.5, 3.4)]
+    got = {t["name"]: (t["value"], t["target"], t["met"]) for t in bench.check_targets(rows, {"ar_vs_transformers_b1": 0.9})}
+    assert got == {"EAGLE tree tau": (3.6, 3.5, True), "EAGLE (eagle) tokens/s vs our AR": (1.8, 2.0, False),
+                   "our AR tokens/s vs transformers generate": (0.9, 1.0, False)}
