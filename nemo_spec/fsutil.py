@@ -7,6 +7,15 @@ import uuid
 from pathlib import Path
 
 
+_DISPLACED = ".old-"
+
+
+def is_displaced_directory(path: Path) -> bool:
+    """Whether ``path`` is a previous directory that publish_directory moved aside (not a real output)."""
+    name = Path(path).name
+    return name.startswith(".") and _DISPLACED in name
+
+
 def publish_directory(tmp: Path, target: Path) -> None:
     """Move the finished ``tmp`` dir to ``target``; old content is removed only after the move succeeded.
 
@@ -14,7 +23,7 @@ def publish_directory(tmp: Path, target: Path) -> None:
     """
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        old = target.parent / f".{target.name}{_DISPLACED}{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
     try:
         os.replace(tmp, target)

@@ -202,6 +202,14 @@ def test_killed_before_rename_is_never_a_checkpoint(tmp_path, monkeypatch):
     save_checkpoint(model, target)
     assert not partial.exists() and not (target / "junk.bin").exists()
     assert _same_weights(model, load_model(target))
+    # an overwrite killed between moving the old checkpoint aside and removing it leaves the old one under a
+    # displaced name: that is not a checkpoint either
+    import shutil
+
+    displaced = tmp_path / ".ckpt.old-0123abcd"
+    shutil.copytree(target, displaced)
+    with pytest.raises(CheckpointError, match="unfinished"):
+        load_model(displaced)
 
 
 def test_incomplete_torch_dist_dir_is_rejected(llama_ckpt, tmp_path):

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, Union
 import torch
 
 from nemo_spec.base.corpus import Corpus, load_corpus
+from nemo_spec.fsutil import publish_directory
 from nemo_spec.base.presets import BasePreset, load_preset
 from nemo_spec.config import ConfigError, dump_json
 
@@ -176,11 +177,7 @@ def build_base(preset: Union[str, BasePreset] = "small", seed: int = 0, cache_di
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             metrics = _build_into(tmp, preset, seed, corpus, key, progress)
-            if final.exists():  # force: replace the old build
-                trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-                os.replace(final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            os.replace(tmp, final)
+            publish_directory(tmp, final)  # force: the old build is removed only once the new one is in place
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -26,6 +26,7 @@ import torch
 from nemo_spec import parallel
 from nemo_spec._cpu import apply_cpu_workarounds
 from nemo_spec.config import ConfigError, ModelConfig, SpeculativeConfig, dump_json
+from nemo_spec.fsutil import is_displaced_directory, publish_directory
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ TOKENIZER_SUBDIR = "tokenizer"
 FORMAT_NAME = "nemo_spec"
 DIST_METADATA = "metadata.json"  # written last by megatron dist_checkpointing
 TEMP_SUFFIX = ".nemo_spec-partial"
-OLD_SUFFIX = ".nemo_spec-old"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json", "vocab.txt")
 
@@ -82,7 +82,7 @@ def _check_dir(path: PathLike) -> Path:
         raise CheckpointError(f"checkpoint directory {p} does not exist")
     if not p.is_dir():
         raise CheckpointError(f"checkpoint path {p} is not a directory")
-    if p.name.endswith(TEMP_SUFFIX) or p.name.endswith(OLD_SUFFIX):
+    if p.name.endswith(TEMP_SUFFIX) or is_displaced_directory(p):
         raise CheckpointError(f"{p} is the temporary directory of an unfinished (or interrupted) save, "
                               f"not a checkpoint")
     return p
@@ -283,22 +283,9 @@ def _write_config(tmp: Path, cfg: Dict[str, Any]) -> None:
 
 def _commit(tmp: Path, target: Path, overwrite: bool) -> None:
     """Atomically move the finished temp dir to ``target`` (replacing an old one only when ``overwrite``)."""
-    old = None
-    if target.exists():
-        if not overwrite:
-            raise CheckpointError(f"{target} appeared while saving; not replacing it (overwrite=False)")
-        old = target.with_name(target.name + OLD_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        if old is not None:  # put the previous checkpoint back under its own name
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if target.exists() and not overwrite:
+        raise CheckpointError(f"{target} appeared while saving; not replacing it (overwrite=False)")
+    publish_directory(tmp, target)
 
 
 def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optional[PathLike] = None,

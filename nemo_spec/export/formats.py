@@ -20,7 +20,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
-from nemo_spec.checkpoint.hf import qkv_from_megatron, qkv_to_megatron
+from nemo_spec.checkpoint.hf import HFCheckpointError, qkv_from_megatron, qkv_to_megatron, resolve_dtype
 from nemo_spec.fsutil import publish_directory
 
 log = logging.getLogger(__name__)
@@ -35,17 +35,11 @@ _HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map 'fp32' | 'bf16' | 'fp16' (or a torch dtype among those) to a torch dtype."""
-    if isinstance(name, torch.dtype):
-        if name not in _HF_NAMES:
-            raise ExportError(f"unsupported export dtype {name}; choose one of {sorted(DTYPES)}")
-        return name
-    key = str(name).lower().strip()
-    aliases = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-    key = aliases.get(key, key)
-    if key not in DTYPES:
-        raise ExportError(f"unknown export dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[key]
+    """Map 'fp32' | 'bf16' | 'fp16' (or float32, bfloat16, float16, half, or one of those torch dtypes) to a dtype."""
+    try:
+        return resolve_dtype(name.strip() if isinstance(name, str) else name)
+    except HFCheckpointError:
+        raise ExportError(f"unknown export dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 def hf_dtype_name(dtype: torch.dtype) -> str:

@@ -29,7 +29,9 @@ class ModelLoadError(RuntimeError):
 def _resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    from nemo_spec.checkpoint.hf import resolve_dtype
+
+    return resolve_dtype(name)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
