@@ -293,6 +293,18 @@ def test_tree_score_temperature_shapes_the_tree(llama, trained):
     assert [o.stats["accept_hist"] for o in tree[1e4]] != [o.stats["accept_hist"] for o in chain]
 
 
+def test_prompt_lookup_prefers_a_full_continuation():
+    from nemo_spec.inference.speculative import PromptLookupProposer
+
+    pl = PromptLookupProposer({"num_draft_tokens": 4, "max_ngram": 2})
+    # latest match of [1, 2] (at 3) has only 3 tokens after it; the earlier one (at 0) has all 4
+    assert pl.lookup([1, 2, 3, 1, 2, 3, 1, 2]) == [3, 1, 2, 3]
+    assert pl.lookup([5, 1, 2, 9, 9, 1, 2]) == [9, 9, 1, 2]  # a single match: its continuation
+    assert pl.lookup([7, 1, 2, 8, 1, 2]) == [8, 1, 2]          # no full one: the longest
+    assert pl.lookup([4, 5, 6, 4, 7, 6]) == [4, 7, 6]         # no bigram match: the unigram's
+    assert pl.lookup([1, 2, 3]) == []
+
+
 def test_seeded_prompt_lookup_row_does_not_depend_on_its_batch():
     """Prompt lookup drafts a different number of tokens per row; a seeded row must sample the same alone or batched."""
     import torch as _t

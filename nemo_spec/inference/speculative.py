@@ -89,15 +89,26 @@ class PromptLookupProposer(ARProposer):
         self.lookahead = self.num_tokens
 
     def lookup(self, seq: Sequence[int]) -> List[int]:
-        """Draft tokens for one sequence (empty when no n-gram matches)."""
+        """Draft tokens for one sequence (empty when no n-gram matches).
+
+        Longest n-gram first; among its matches the latest one whose continuation has all ``num_tokens`` tokens,
+        else the one with the longest continuation. (The very latest match of a repeating pattern sits right
+        before the end, where only a token or two follow it; an earlier period of the same pattern gives a
+        full draft.)
+        """
         L = len(seq)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             pat = list(seq[L - n:])
+            best: List[int] = []
             for i in range(L - n - 1, -1, -1):
                 if seq[i] == pat[0] and list(seq[i:i + n]) == pat:
                     cont = list(seq[i + n: i + n + self.num_tokens])
-                    if cont:
+                    if len(cont) == self.num_tokens:
                         return cont
+                    if len(cont) > len(best):
+                        best = cont
+            if best:
+                return best
         return []
 
     def propose(self, eng: Engine, st: BatchState) -> DraftTree:

@@ -1,7 +1,7 @@
 """Cost of one draft training step relative to one base forward+backward at the same batch (issue target <= 1.4x).
 
-The default model is the built-in ``small`` base shape (``conf/base/small.yaml``: hidden 256, 6 layers, 4 heads,
-2 KV groups, FFN 704, vocab 8192), randomly initialised: the model drafts are trained for here. The two steps
+The default model is the built-in ``small`` base shape (``conf/base/small.yaml``: hidden 192, 12 layers, 3 heads,
+1 KV group, FFN 512, vocab 8192), randomly initialised: the model drafts are trained for here. The two steps
 are timed alternately (base, draft, base, ...) so that load from other processes hits both alike.
 
     python -m nemo_spec.training.benchmark                     # EAGLE-3, full draft vocabulary, batch 4 x 256
