@@ -531,7 +531,7 @@ def test_benchmark_reports_ratio():
     _, cfg = _parse([])  # default model: the built-in `small` base shape
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size,
             cfg.vocab_size) == (192, 12, 3, 1, 512, 8192)
-    _, cfg = _parse(["--hidden", "128", "--layers", "2", "--vocab", "512"])
+    _, cfg = _parse(["--hidden", "128", "--layers", "2", "--heads", "4", "--groups", "2", "--vocab", "512"])
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.vocab_size) == (128, 32, 2, 512)
 
 
