@@ -89,8 +89,14 @@ class KVCache:
         self.lengths.zero_()
         self.starts.zero_()
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [b, q, heads, d] at cache slots [b, q] of ``layer``."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              start: Optional[int] = None) -> None:
+        """Store k/v [b, q, heads, d] at cache slots [b, q] of ``layer`` (``start``: one row, consecutive slots)."""
+        if start is not None:
+            q = k.shape[1]
+            self.k[layer, 0, start:start + q] = k[0]
+            self.v[layer, 0, start:start + q] = v[0]
+            return
         rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slots)
         self.k[layer, rows, slots] = k.to(self.k.dtype)
         self.v[layer, rows, slots] = v.to(self.v.dtype)
@@ -136,7 +142,28 @@ class AttnContext:
     cache: Optional[KVCache] = None
     write_slots: Optional[torch.Tensor] = None
     kv_len: int = 0
-    rope_cache: Dict[Any, tuple] = field(default_factory=dict, repr=False, compare=False)
+    rope_cache: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-forward memo
+
+    def sdpa_mask(self) -> Optional[torch.Tensor]:
+        """``mask`` as SDPA's [b, 1, q, kv]; None when it allows everything (a batch-1 decode step), which lets
+        SDPA skip masking. Worked out once per forward and shared by all layers."""
+        if "sdpa_mask" not in self.rope_cache:
+            m = self.mask
+            self.rope_cache["sdpa_mask"] = None if m is None or bool(m.all()) else m[:, None]
+        return self.rope_cache["sdpa_mask"]
+
+    def write_start(self) -> Optional[int]:
+        """First slot when there is one row and its write slots are consecutive (then a slice copy replaces
+        the scatter); None otherwise. Worked out once per forward."""
+        if "write_start" not in self.rope_cache:
+            w = self.write_slots
+            start = None
+            if w is not None and w.shape[0] == 1 and w.numel() > 0:
+                first = int(w[0, 0])
+                if bool((w[0] == torch.arange(first, first + w.shape[1], device=w.device)).all()):
+                    start = first
+            self.rope_cache["write_start"] = start
+        return self.rope_cache["write_start"]
 
     def rope(self, inv_freq: torch.Tensor) -> tuple:
         """cos/sin for this context's positions, computed once per forward and shared by all layers."""
@@ -185,10 +212,10 @@ class SDPACoreAttention(MegatronModule):
         is_causal = False
         if ctx is not None and ctx.cache is not None:
             layer = self.layer_number - 1
-            ctx.cache.write(layer, ctx.write_slots, k.transpose(1, 2), v.transpose(1, 2))
+            ctx.cache.write(layer, ctx.write_slots, k.transpose(1, 2), v.transpose(1, 2), ctx.write_start())
             k = ctx.cache.k[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
             v = ctx.cache.v[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
-            mask = ctx.mask[:, None]
+            mask = ctx.sdpa_mask()
         elif ctx is not None and ctx.mask is not None:
             mask = ctx.mask[:, None]
         elif isinstance(attention_mask, torch.Tensor):
