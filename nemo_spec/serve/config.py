@@ -47,11 +47,13 @@ class ModelSpec:
             raise ConfigError(f"{where}: default_max_tokens must be an int >= 1, got {self.default_max_tokens!r}")
         if not isinstance(self.options, dict):
             raise ConfigError(f"{where}: options must be a mapping, got {type(self.options).__name__}")
-        from nemo_spec.inference.speculative import KNOWN_OPTIONS
+        from nemo_spec.inference.sampling import SamplingError
+        from nemo_spec.inference.speculative import check_options
 
-        unknown = sorted(set(self.options) - set(KNOWN_OPTIONS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown generation option(s) {unknown}; known: {list(KNOWN_OPTIONS)}")
+        try:
+            check_options(self.options)
+        except SamplingError as e:
+            raise ConfigError(f"{where}: {e}") from None
         return self
 
     @classmethod
