@@ -129,13 +129,13 @@ def _reuse_or_reset(res: "QuickstartResult", stage: str, settings: object, outpu
     if old == fp and complete():
         return True
     if old != fp:
+        if old is not None or any(o.exists() for o in outputs):
+            log.info("quickstart stage %r: settings changed since the cached run, redoing it", stage)
         for out in outputs:
             if out.is_dir() and not out.is_symlink():
                 shutil.rmtree(out)
             elif out.exists() or out.is_symlink():
                 out.unlink()
-        if old is not None or any(o.exists() for o in outputs):
-            log.info("quickstart stage %r: settings changed since the cached run, redoing it", stage)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         tmp = stamp.with_suffix(".tmp")
         tmp.write_text(fp + "\n")
