@@ -68,14 +68,15 @@ def clone_model(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def live_server(model: torch.nn.Module, tokenizer: Any, name: str = "tiny", api_keys: Tuple[str, ...] = (),
                 admin_key: Optional[str] = None, max_queue: int = 64, batch_wait_ms: float = 20.0,
-                **spec: Any) -> Iterator[Any]:
-    """A real uvicorn server on 127.0.0.1 (free port) serving ``model``; stopped on exit."""
+                serve: Optional[dict] = None, **spec: Any) -> Iterator[Any]:
+    """A real uvicorn server on 127.0.0.1 (free port) serving ``model``; stopped on exit.
+    ``serve``: further ServeConfig fields; ``spec``: ModelSpec fields."""
     from nemo_spec.serve import ModelSpec, ServeConfig
     from nemo_spec.serve.models import ModelManager
     from nemo_spec.serve.server import ServerThread
 
     cfg = ServeConfig(api_keys=list(api_keys), admin_key=admin_key, max_queue=max_queue,
-                      batch_wait_ms=batch_wait_ms)
+                      batch_wait_ms=batch_wait_ms, **(serve or {}))
     manager = ModelManager(cfg.max_queue, cfg.batch_wait_ms / 1000.0)
     manager.add(ModelSpec(name=name, **spec), model=model, tokenizer=tokenizer)
     srv = ServerThread(cfg, manager).start()

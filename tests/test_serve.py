@@ -256,7 +256,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, tok):
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 1.5}), 400, "top_p")
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 0}), 400, "n")
-    check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 17}), 400, "n")  # > max_batch
+    check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 65}), 400, "n")  # n <= 64
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}), 400)
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2}), 400, "logprobs")
     check(post("/v1/completions", json={"model": "tiny", "prompt": [10**6]}), 400, "prompt")

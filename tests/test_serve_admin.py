@@ -47,8 +47,9 @@ def test_api_keys_and_admin_load_switch_unload(model, tok, tok_dir, tmp_path):
     prompt = "the cat sat on"
     with live_server(model, tok, name="tiny", api_keys=("sk-user",), admin_key="sk-admin") as srv:
         url = srv.url
-        # Bearer auth on every endpoint
-        for path in ("/v1/models", "/health", "/metrics"):
+        # Bearer auth on every endpoint but /health (open for load balancers unless health_requires_key)
+        assert httpx.get(url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
             assert httpx.get(url + path).status_code == 401
             assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert httpx.get(url + path, headers={"Authorization": "Bearer sk-user"}).status_code == 200

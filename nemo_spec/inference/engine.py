@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -104,13 +105,34 @@ class BatchState:
 
 
 class Engine:
-    """Owns the target model and the KV caches reused across calls (reset on reuse, re-created on shape change)."""
+    """Runs the target model and owns the KV caches reused across calls (reset on reuse, re-created on shape change).
+
+    The engine refers to its model weakly: it is cached per model (``generate.get_engine``) and must not keep
+    an unloaded model, or its caches, alive.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.target = unwrap(model)
+        self._model = weakref.ref(model)
+        self._target = weakref.ref(unwrap(model))
         self.cfg = model_config(model)
         self.caches: Dict[Any, KVCache] = {}
+
+    @staticmethod
+    def _alive(ref: "weakref.ReferenceType[torch.nn.Module]") -> torch.nn.Module:
+        m = ref()
+        if m is None:
+            raise RuntimeError("the engine's model has been freed")
+        return m
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model this engine generates with (as passed in, possibly a wrapper)."""
+        return self._alive(self._model)
+
+    @property
+    def target(self) -> torch.nn.Module:
+        """The unwrapped megatron GPTModel of :attr:`model`."""
+        return self._alive(self._target)
 
     @property
     def device(self) -> torch.device:

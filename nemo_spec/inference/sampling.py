@@ -27,6 +27,13 @@ class SamplingError(ValueError):
     """An invalid sampling/generation parameter; the message names the field and the value."""
 
 
+#: temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing logits by e.g. 1e-40 overflows
+#: to inf/NaN probabilities
+GREEDY_TEMPERATURE_EPS = 1e-5
+#: seeds must fit a signed 64-bit integer (torch.Generator.manual_seed and the TP broadcast as torch.long)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (temperature 0 means greedy)."""
@@ -65,12 +72,15 @@ class SamplingParams:
             raise SamplingError(f"SamplingParams.stop_strings must be non-empty strings, got {self.stop_strings!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SamplingError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise SamplingError(f"SamplingParams.seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit "
+                                f"integer), got {self.seed}")
         return self
 
     @property
     def greedy(self) -> bool:
-        """True when tokens are picked by argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when tokens are picked by argmax (temperature below GREEDY_TEMPERATURE_EPS, or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def warp_key(self) -> Tuple[float, int, float]:
         """The fields that determine the warped distribution."""

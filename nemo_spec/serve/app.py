@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -35,16 +36,77 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
 
 # ---------------------------------------------------------------- helpers
 
-async def read_json_object(request: Request) -> Dict[str, Any]:
-    """The request body as a JSON object; malformed JSON or a non-object -> 400 invalid_json."""
-    raw = await request.body()
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSONResponse that never fails to encode (a lone surrogate echoed in a message is written escaped)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+def _find_surrogate(obj: Any, path: str = "body") -> Optional[str]:
+    """The JSON path of the first string holding a lone UTF-16 surrogate (not encodable as UTF-8), or None."""
+    if isinstance(obj, str):
+        return path if _SURROGATE.search(obj) else None
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, list):
+        items = ((i, v) for i, v in enumerate(obj) if isinstance(v, (str, list, dict)))
+    else:
+        return None
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(k, int) else (k if path == "body" else f"{path}.{k}")
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return sub
+        found = _find_surrogate(v, sub)
+        if found:
+            return found
+    return None
+
+
+def _decode_json_object(raw: bytes) -> Dict[str, Any]:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
     if not isinstance(data, dict):
         raise P.invalid("The request body must be a JSON object", code="invalid_json")
+    bad = _find_surrogate(data)
+    if bad:
+        raise P.invalid(f"'{bad}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                        bad.split(".")[0].split("[")[0], "invalid_unicode")
     return data
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) one larger than ``limit`` bytes before reading it where the length is known."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> P.APIError:
+    return P.APIError(413, f"The request body has {'at least ' if size <= limit else ''}{size} bytes, more than "
+                      f"this server's limit of {limit} bytes (max_request_bytes).", "invalid_request_error",
+                      None, "request_too_large")
+
+
+async def read_json_object(request: Request) -> Dict[str, Any]:
+    """The request body as a JSON object; too large -> 413, malformed JSON, a non-object or invalid Unicode -> 400."""
+    raw = await _read_body(request, request.app.state.config.max_request_bytes)
+    if len(raw) < 65536:
+        return _decode_json_object(raw)
+    return await run_in_threadpool(_decode_json_object, raw)  # big bodies: parse off the event loop
 
 
 async def parse_body(request: Request, cls: Type[T]) -> T:
@@ -90,6 +152,15 @@ def _encode(served: ServedModel, text: str, add_special_tokens: bool) -> List[in
     return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
 
+def _chat_prompt(served: ServedModel, req: P.ChatCompletionRequest) -> List[int]:
+    """Render the chat template and tokenize (runs in a worker thread)."""
+    try:
+        text = served.template.render(messages_to_dicts(req.messages), req.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise P.invalid(str(e), "messages") from e
+    return _encode(served, text, add_special_tokens=False)
+
+
 def _resolve_max_tokens(served: ServedModel, prompts: List[List[int]], requested: Optional[int],
                         default: int, prompt_param: str) -> int:
     longest = max(len(p) for p in prompts)
@@ -116,10 +187,8 @@ class ClientGone(Exception):
 class _Job:
     """A submitted request plus the bookkeeping the response needs."""
 
-    def __init__(self, served: ServedModel, gen: GenRequest, prompt_tokens: int, num_choices: int,
-                 metrics: ServerMetrics) -> None:
+    def __init__(self, served: ServedModel, gen: GenRequest, prompt_tokens: int, num_choices: int) -> None:
         self.served, self.gen, self.prompt_tokens, self.num_choices = served, gen, prompt_tokens, num_choices
-        self.metrics = metrics
         self.texts = [""] * num_choices
         self.finish: List[Optional[str]] = [None] * num_choices
         self.counts = [0] * num_choices
@@ -139,16 +208,13 @@ class _Job:
         kind = ev[0]
         if kind == "delta":
             self.texts[ev[1]] += ev[2]
-        elif kind == "finish":
+        elif kind == "finish":  # token, latency and TTFT metrics are counted by the batcher
             _, choice, reason, count, _stats = ev
             self.finish[choice] = reason
             self.counts[choice] = count
-            if self.finished:
-                self.metrics.prompt_tokens.inc(self.prompt_tokens)
-                self.metrics.completion_tokens.inc(sum(self.counts))
-                self.metrics.latency.observe(time.monotonic() - self.t0)
         elif kind == "error":
-            raise P.APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+            code = ev[3] if len(ev) > 3 else None
+            raise P.APIError(ev[1], ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error", None, code)
 
     def drain(self) -> List[Tuple]:
         """Events already queued (no waiting)."""
@@ -244,7 +310,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         await run_in_threadpool(manager.close)
 
     async def require_api_key(request: Request) -> None:
-        if request.url.path.startswith("/admin"):
+        if request.url.path.startswith("/admin") or (request.url.path == "/health" and not cfg.health_requires_key):
             return
         if cfg.api_keys and not _key_ok(_bearer(request), cfg.api_keys):
             raise P.APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
@@ -261,30 +327,35 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
     app.state.manager = manager
     app.state.metrics = metrics
     app.state.config = cfg
+    app.state.shutting_down = False
+
+    def refuse_if_shutting_down() -> None:
+        if app.state.shutting_down:
+            raise P.APIError(503, "The server is shutting down.", "server_error", None, "server_shutdown")
 
     # ------------------------------------------------------------ errors
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
+        return SafeJSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         param = ".".join(str(x) for x in errs[0].get("loc", ())) if errs else None
         msg = errs[0].get("msg") if errs else "invalid request"
-        return JSONResponse(P.invalid(f"Invalid value for '{param}': {msg}", param).to_dict(), status_code=400)
+        return SafeJSONResponse(P.invalid(f"Invalid value for '{param}': {msg}", param).to_dict(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = P.APIError(exc.status_code, str(exc.detail), "invalid_request_error",
                          code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return SafeJSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         err = P.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
-        return JSONResponse(err.to_dict(), status_code=500)
+        return SafeJSONResponse(err.to_dict(), status_code=500)
 
     # ------------------------------------------------------------ info endpoints
     @app.get("/health")
@@ -314,25 +385,25 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
     def submit(served: ServedModel, req: P._Request, prompts: List[List[int]], max_tokens: int,
                loop: asyncio.AbstractEventLoop, extra_stop: Sequence[str] = ()) -> _Job:
         n = req.n
-        rows: List[RowSpec] = []
-        if len(prompts) * n > served.spec.max_batch:
-            raise P.invalid(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed this "
-                            f"server's max_batch={served.spec.max_batch}", "n")
+        rows: List[RowSpec] = []  # more rows than max_batch are split over engine batches by the batcher
+        refuse_if_shutting_down()
         for p_idx, prompt in enumerate(prompts):
             for j in range(n):
                 seed = None if req.seed is None else req.seed + j
                 rows.append(RowSpec(list(prompt), _sampling_params(served, req, max_tokens, seed), p_idx * n + j))
+        prompt_tokens = sum(len(p) for p in prompts)
         gen = GenRequest(rows=rows, stop=req.stop_list() + [s for s in extra_stop if s not in req.stop_list()],
-                         loop=loop)
+                         loop=loop, prompt_tokens=prompt_tokens)
         try:
             served.batcher.submit(gen)
         except QueueFullError as e:
             metrics.rejected.inc()
             raise P.APIError(503, f"The server is overloaded: {e}. Retry later.", "server_error", None,
-                             "queue_full") from e
+                             "queue_full", headers={"Retry-After": str(cfg.retry_after_s)}) from e
         except BatcherClosedError as e:
-            raise P.APIError(503, str(e), "server_error", None, "model_unloading") from e
-        return _Job(served, gen, sum(len(p) for p in prompts), len(rows), metrics)
+            code = "server_shutdown" if app.state.shutting_down else "model_unloading"
+            raise P.APIError(503, str(e), "server_error", None, code) from e
+        return _Job(served, gen, prompt_tokens, len(rows))
 
     async def collect(job: _Job, request: Request) -> bool:
         """Wait for all choices; False when the client went away (generation cancelled)."""
@@ -351,12 +422,11 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
     async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, P.ChatCompletionRequest)
         req.check_supported()
+        refuse_if_shutting_down()
         served = manager.get(req.model)
-        try:
-            text = served.template.render(messages_to_dicts(req.messages), req.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise P.invalid(str(e), "messages") from e
-        prompt = _encode(served, text, add_special_tokens=False)
+        chars = sum(len(m.text()) for m in req.messages)
+        check_prompt_chars(chars, "messages")
+        prompt = await run_in_threadpool(_chat_prompt, served, req)  # rendering + tokenizing: off the event loop
         max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(), served.spec.default_max_tokens,
                                         "messages")
         job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
@@ -379,8 +449,11 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
     async def completions(request: Request) -> Response:
         req = await parse_body(request, P.CompletionRequest)
         req.check_supported()
+        refuse_if_shutting_down()
         served = manager.get(req.model)
-        prompts, texts = _completion_prompts(served, req.prompt)
+        prompt_list = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        check_prompt_chars(sum(len(p) for p in prompt_list if isinstance(p, str)), "prompt")
+        prompts, texts = await run_in_threadpool(_completion_prompts, served, req.prompt)  # off the event loop
         max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS,
                                         "prompt")
         job = submit(served, req, prompts, max_tokens, asyncio.get_running_loop())
@@ -398,6 +471,11 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                    for i in range(job.num_choices)]
         resp = P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
         return JSONResponse(resp.model_dump())
+
+    def check_prompt_chars(chars: int, param: str) -> None:
+        if chars > cfg.max_prompt_chars:
+            raise P.invalid(f"The prompt has {chars} characters, more than this server's limit of "
+                            f"{cfg.max_prompt_chars} (max_prompt_chars).", param, "prompt_too_long")
 
     def _completion_prompts(served: ServedModel, prompt: Any) -> Tuple[List[List[int]], List[str]]:
         vocab = len(served.tokenizer)

@@ -1,8 +1,10 @@
 """Dynamic batching: a worker thread drains a bounded request queue into engine batches and streams tokens back.
 
-Requests (each with one or more rows: prompts x n) wait in a bounded FIFO. The worker takes the oldest
-request, then keeps adding queued requests (up to ``max_batch`` rows, waiting at most ``batch_wait_s``
-for more to arrive) and runs the engine once for the whole batch with per-row sampling parameters.
+Requests (each with one or more rows: prompts x n) wait in a bounded FIFO. The worker fills a batch with
+queued rows, oldest request first (up to ``max_batch`` rows, waiting at most ``batch_wait_s`` for more to
+arrive; a request with more rows than free slots is split over batches) and runs the engine once for the
+whole batch with per-row sampling parameters. A batch that fails is rerun request by request, so one
+request that cannot run fails alone.
 The engine calls ``on_tokens(row, ids)`` as tokens are accepted (several per call for speculative
 steps); each row is detokenized incrementally, checked for stop strings, and its text deltas are
 pushed to the request's asyncio queue on the event loop. A row whose client went away, or that hit a
@@ -121,21 +123,40 @@ class RowSpec:
 
 @dataclass
 class GenRequest:
-    """A queued API request: rows to generate plus the channel back to the asyncio handler."""
+    """A queued API request: rows to generate plus the channel back to the asyncio handler.
+
+    A request's rows may run in several engine batches (``n`` larger than ``max_batch``, or a batch with only
+    a few free slots); the request ends when every row has finished.
+    """
 
     rows: List[RowSpec]
     stop: List[str]
     loop: asyncio.AbstractEventLoop
+    prompt_tokens: int = 0  # for the prompt-token counter (counted once, when the request starts)
     events: "asyncio.Queue[Tuple]" = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     started: Optional[float] = None
     first_token: Optional[float] = None
+    aborted: Optional[str] = None  # set at server shutdown: unfinished rows end with a 503 error event
+    failed: bool = False  # an error event was sent; remaining rows are not run
+    next_row: int = 0  # rows[:next_row] have been handed to an engine batch
+    rows_done: int = 0
 
     @property
     def num_rows(self) -> int:
         """Engine rows this request occupies."""
         return len(self.rows)
+
+    @property
+    def done(self) -> bool:
+        """Every row has finished (or the request failed)."""
+        return self.rows_done >= len(self.rows)
+
+    @property
+    def dropped(self) -> bool:
+        """Its remaining rows should not run (client gone, failed or aborted)."""
+        return self.cancelled or self.failed or self.aborted is not None
 
     def emit(self, event: Tuple) -> None:
         """Deliver an event to the handler (thread-safe; dropped if the loop is gone)."""
@@ -143,6 +164,24 @@ class GenRequest:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # event loop closed: the client is gone
             self.cancelled = True
+
+    def fail(self, status: int, message: str, code: Optional[str] = None) -> None:
+        """Send one error event (the request ends; its other rows are dropped)."""
+        if not self.failed:
+            self.failed = True
+            self.emit(("error", status, message, code))
+
+
+#: a slice of one request's rows that runs in one engine batch
+Slice = Tuple[GenRequest, List[RowSpec]]
+
+
+@dataclass
+class _SliceProgress:
+    """How far one slice of a batch got: whether its request has received tokens, how many rows ended."""
+
+    streamed: bool = False
+    ended: int = 0
 
 
 class Batcher:
@@ -165,6 +204,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._drain = True
+        self._closed_reason = f"model {name!r} is being unloaded"
         self.running_rows = 0
         self.batches_run = 0
         self._current: List[GenRequest] = []
@@ -178,11 +218,13 @@ class Batcher:
 
     def submit(self, req: GenRequest) -> None:
         """Enqueue a request; raises QueueFullError / BatcherClosedError instead of blocking."""
-        if req.num_rows > self.max_batch:
-            raise ValueError(f"request needs {req.num_rows} rows but max_batch is {self.max_batch}")
+        if not req.rows:
+            raise ValueError("a request needs at least one row")
         with self._cond:
             if self._closed:
-                raise BatcherClosedError(f"model {self.name!r} is being unloaded")
+                raise BatcherClosedError(self._closed_reason)
+            if len(self._pending) >= self.max_queue:  # requests whose clients left do not hold places
+                self._pending = collections.deque(r for r in self._pending if not r.cancelled)
             if len(self._pending) >= self.max_queue:
                 raise QueueFullError(f"the request queue of model {self.name!r} is full ({self.max_queue} waiting)")
             self._pending.append(req)
@@ -198,11 +240,28 @@ class Batcher:
                 for req in self._current:
                     req.cancelled = True
             if not drain:
-                while self._pending:
-                    req = self._pending.popleft()
-                    req.emit(("error", 503, f"model {self.name!r} was unloaded before the request started"))
+                self._fail_pending(503, f"model {self.name!r} was unloaded before the request started",
+                                   "model_unloaded")
             self._cond.notify_all()
         self._thread.join(timeout)
+
+    def begin_shutdown(self, message: str = "the server is shutting down") -> None:
+        """Server shutdown, first phase: refuse new requests and answer queued ones at once (503)."""
+        with self._cond:
+            self._closed = True
+            self._closed_reason = message
+            self._fail_pending(503, message, "server_shutdown")
+            self._cond.notify_all()
+
+    def abort_running(self, message: str = "the server is shutting down") -> None:
+        """Server shutdown, after the drain time: end the rows still generating with a 503 error event."""
+        with self._cond:
+            for req in self._current:
+                req.aborted = message
+
+    def _fail_pending(self, status: int, message: str, code: str) -> None:
+        while self._pending:
+            self._pending.popleft().fail(status, message, code)
 
     @property
     def alive(self) -> bool:
@@ -210,29 +269,32 @@ class Batcher:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------ worker side
-    def _take_batch(self) -> Optional[List[GenRequest]]:
+    def _take_batch(self) -> Optional[List[Slice]]:
+        """Up to ``max_batch`` rows from the queue, oldest first; a request may be split over batches."""
         with self._cond:
             while True:
-                while self._pending and self._pending[0].cancelled:
-                    self._pending.popleft()
+                while self._pending and self._pending[0].dropped:
+                    self._drop_head()
                 if self._pending:
                     break
                 if self._closed:
                     return None
                 self._cond.wait()
-            batch = [self._pending.popleft()]
-            rows = batch[0].num_rows
+            batch: List[Slice] = []
+            rows = 0
             deadline = time.monotonic() + self.batch_wait_s
             while rows < self.max_batch:
                 if self._pending:
-                    nxt = self._pending[0]
-                    if nxt.cancelled:
-                        self._pending.popleft()
+                    req = self._pending[0]
+                    if req.dropped:
+                        self._drop_head()
                         continue
-                    if rows + nxt.num_rows > self.max_batch:
-                        break
-                    batch.append(self._pending.popleft())
-                    rows += nxt.num_rows
+                    k = min(self.max_batch - rows, req.num_rows - req.next_row)
+                    batch.append((req, req.rows[req.next_row:req.next_row + k]))
+                    req.next_row += k
+                    rows += k
+                    if req.next_row >= req.num_rows:
+                        self._pending.popleft()
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
@@ -240,33 +302,82 @@ class Batcher:
                 self._cond.wait(left)
             return batch
 
+    def _drop_head(self) -> None:
+        req = self._pending.popleft()
+        self._end_rows(req, req.num_rows - req.next_row)
+        req.next_row = req.num_rows
+
     def _loop(self) -> None:
         while True:
             batch = self._take_batch()
             if batch is None:
                 return
-            self._current = batch
-            try:
-                self._execute(batch)
-            except Exception as e:  # never let the worker die: report to the requests and go on
-                log.exception("engine batch failed")
-                for req in batch:
-                    req.emit(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                self.running_rows = 0
-                self._current = []
+            self._run(batch)
 
-    def _execute(self, batch: List[GenRequest]) -> None:
-        rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder]] = []
-        for req in batch:
-            for r in req.rows:
-                rows.append((req, r, IncrementalDecoder(self.tokenizer, req.stop)))
+    def _run(self, batch: List[Slice]) -> None:
+        """Run one batch; when it fails, rerun each request that has received nothing yet on its own, so a
+        request that cannot run (a poison row) fails alone and never takes the others down with it."""
+        self._current = [req for req, _ in batch]
+        progress = [_SliceProgress(streamed=req.first_token is not None) for req, _ in batch]
+        try:
+            self._execute(batch, progress)
+            return
+        except Exception as e:  # never let the worker die: report to the requests and go on
+            error = e
+        finally:
+            self.running_rows = 0
+            self._current = []
+        if len(batch) == 1:
+            log.error("engine batch failed: %s: %s", type(error).__name__, error, exc_info=error)
+            req, rows = batch[0]
+            self._end_rows(req, len(rows) - progress[0].ended)
+            req.fail(500, f"generation failed: {type(error).__name__}: {error}")
+            return
+        log.warning("engine batch of %d requests failed (%s: %s); rerunning them one by one", len(batch),
+                    type(error).__name__, error)
+        for (req, rows), prog in zip(batch, progress):
+            if prog.streamed or req.dropped:  # tokens already went out: a rerun would send them twice
+                self._end_rows(req, len(rows) - prog.ended)
+                req.fail(500, f"generation failed: {type(error).__name__}: {error}")
+            else:
+                self._run([(req, rows)])
+
+    def _end_rows(self, req: GenRequest, n: int, now: Optional[float] = None) -> None:
+        """Count ``n`` finished rows of ``req``; at its last row record its latency and TTFT (the same set of
+        requests: those that received at least one token)."""
+        req.rows_done += n
+        if req.done and req.first_token is not None:
+            now = time.monotonic() if now is None else now
+            self.metrics.ttft.observe(req.first_token - req.arrived)
+            self.metrics.latency.observe(now - req.arrived)
+
+    def _execute(self, batch: List[Slice], progress: List[_SliceProgress]) -> None:
+        rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder, _SliceProgress]] = []
+        for (req, specs), prog in zip(batch, progress):
+            for r in specs:
+                rows.append((req, r, IncrementalDecoder(self.tokenizer, req.stop), prog))
         done = [False] * len(rows)
-        reasons: List[Optional[str]] = [None] * len(rows)
+
+        def end_row(row: int, reason: Optional[str], count: int, stats: Dict[str, Any]) -> None:
+            """Row ``row`` is over: count its tokens (here, as the handler may be gone) and tell the handler."""
+            req, spec, _, prog = rows[row]
+            done[row] = True
+            prog.ended += 1
+            self.metrics.completion_tokens.inc(count)
+            if reason is None:  # aborted at shutdown, or its request failed elsewhere
+                req.fail(503, req.aborted or "request failed", "server_shutdown")
+            else:
+                if reason == "cancelled":
+                    self.metrics.cancelled.inc()
+                req.emit(("finish", spec.choice, reason, count, stats))
+            self._end_rows(req, 1)
+
         t0 = time.monotonic()
-        for req in batch:
-            req.started = t0
-            self.metrics.queue_time.observe(t0 - req.arrived)
+        for req, _ in batch:
+            if req.started is None:
+                req.started = t0
+                self.metrics.queue_time.observe(t0 - req.arrived)
+                self.metrics.prompt_tokens.inc(req.prompt_tokens)
         self.running_rows = len(rows)
         self.metrics.batch_size.observe(len(rows))
         self.batches_run += 1
@@ -275,28 +386,27 @@ class Batcher:
         def on_tokens(row: int, ids: List[int]) -> bool:
             if done[row]:
                 return False
-            req, spec, dec = rows[row]
-            if req.cancelled:
-                done[row] = True
-                reasons[row] = "cancelled"
-                self.metrics.cancelled.inc()
-                req.emit(("finish", spec.choice, "cancelled", len(dec.tokens), {}))  # ends a stream still open
+            req, spec, dec, prog = rows[row]
+            if req.aborted is not None or req.failed:
+                end_row(row, None, len(dec.tokens), {})
                 return False
-            if req.first_token is None and len(ids) > 0:
-                req.first_token = time.monotonic()
-                self.metrics.ttft.observe(req.first_token - req.arrived)
+            if req.cancelled:
+                end_row(row, "cancelled", len(dec.tokens), {})  # ends a stream still open
+                return False
+            if ids:
+                prog.streamed = True
+                if req.first_token is None:
+                    req.first_token = time.monotonic()
             delta = dec.add(ids)
             if delta:
                 req.emit(("delta", spec.choice, delta))
             if dec.stopped:
-                done[row] = True
-                reasons[row] = "stop"
-                req.emit(("finish", spec.choice, "stop", len(dec.tokens), {}))
+                end_row(row, "stop", len(dec.tokens), {})
                 return False
             return True
 
-        results = self.engine([r.prompt for _, r, _ in rows], [r.params for _, r, _ in rows], on_tokens)
-        for i, (req, spec, dec) in enumerate(rows):
+        results = self.engine([r.prompt for _, r, _, _ in rows], [r.params for _, r, _, _ in rows], on_tokens)
+        for i, (req, spec, dec, prog) in enumerate(rows):
             res = results[i]
             stats = dict(getattr(res, "stats", {}) or {})
             if "tau" in stats and stats["tau"] is not None:
@@ -306,16 +416,21 @@ class Batcher:
                     pass
             if done[i]:
                 continue
-            done[i] = True
+            if req.aborted is not None or req.failed:
+                end_row(i, None, len(res.tokens), {})
+                continue
             tokens = [int(t) for t in res.tokens]
             if tokens[:len(dec.tokens)] != dec.tokens:
                 log.warning("row %d: streamed tokens differ from the engine result; using the result", i)
             elif len(tokens) > len(dec.tokens):  # engine did not report every token through on_tokens
+                prog.streamed = True
+                if req.first_token is None:
+                    req.first_token = time.monotonic()
                 delta = dec.add(tokens[len(dec.tokens):])
                 if delta:
                     req.emit(("delta", spec.choice, delta))
             if dec.stopped:
-                req.emit(("finish", spec.choice, "stop", len(dec.tokens), stats))
+                end_row(i, "stop", len(dec.tokens), stats)
                 continue
             delta = dec.flush()
             if delta:
@@ -325,4 +440,4 @@ class Batcher:
                 reason = "cancelled"
             # the engine drops the stop token (eos) from its output; usage counts it, as it was generated
             count = len(dec.tokens) + (1 if res.finish_reason == "stop" else 0)
-            req.emit(("finish", spec.choice, reason, count, stats))
+            end_row(i, reason, count, stats)

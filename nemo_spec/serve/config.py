@@ -76,6 +76,11 @@ class ServeConfig:
     admin_key: Optional[str] = None  # required by /admin/*; None -> admin endpoints disabled
     max_queue: int = 64  # waiting requests per model before 503
     batch_wait_ms: float = 5.0  # how long the batcher waits for more requests to join a batch
+    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies -> 413, refused before they are read
+    max_prompt_chars: int = 1_000_000  # longer prompts (all messages together) -> 400, checked before tokenizing
+    health_requires_key: bool = False  # /health is open by default (load balancers), like vLLM
+    retry_after_s: int = 1  # Retry-After on 503 queue_full
+    shutdown_drain_s: float = 10.0  # SIGTERM: queued requests -> 503 at once; running ones get this long
     log_level: str = "info"
     models: List[ModelSpec] = field(default_factory=list)
 
@@ -87,6 +92,14 @@ class ServeConfig:
             raise ConfigError(f"serve.max_queue must be an int >= 1, got {self.max_queue!r}")
         if self.batch_wait_ms < 0:
             raise ConfigError(f"serve.batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
+        for key in ("max_request_bytes", "max_prompt_chars", "retry_after_s"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"serve.{key} must be an int >= 1, got {v!r}")
+        if not isinstance(self.shutdown_drain_s, (int, float)) or not self.shutdown_drain_s >= 0:
+            raise ConfigError(f"serve.shutdown_drain_s must be a number >= 0, got {self.shutdown_drain_s!r}")
+        if not isinstance(self.health_requires_key, bool):
+            raise ConfigError(f"serve.health_requires_key must be true or false, got {self.health_requires_key!r}")
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ConfigError("serve.api_keys must be non-empty strings")
         names = [m.name for m in self.models]

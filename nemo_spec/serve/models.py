@@ -222,6 +222,16 @@ class ModelManager:
         m.close(drain=drain)
         log.info("unloaded model %r", name)
 
+    def begin_shutdown(self) -> None:
+        """Server shutdown: every model refuses new requests and answers its queued ones with 503."""
+        for m in self.all():
+            m.batcher.begin_shutdown()
+
+    def abort_running(self) -> None:
+        """Server shutdown, after the drain time: end every running generation with a 503 error event."""
+        for m in self.all():
+            m.batcher.abort_running()
+
     def close(self) -> None:
         """Unload everything (server shutdown)."""
         with self._admin_lock:

@@ -14,13 +14,15 @@ class APIError(Exception):
     """An error returned to the client as OpenAI-style JSON with an HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (e.g. Retry-After on 503)
 
     def to_dict(self) -> Dict[str, Any]:
         """The OpenAI error body: {"error": {message, type, param, code}}."""
@@ -47,7 +49,7 @@ class _Request(BaseModel):
     stream_options: Optional["StreamOptions"] = None
     stop: Optional[Union[str, List[str]]] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a signed 64-bit integer, as vLLM
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Optional[Dict[str, float]] = None

@@ -1,6 +1,7 @@
 """Run the app under uvicorn: in the foreground (scripts/serve.py) or in a background thread (tests, benchmarks)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -16,15 +17,53 @@ from nemo_spec.serve.models import ModelManager
 log = logging.getLogger(__name__)
 
 
+#: after the drain time, aborted streams need a moment to send their last event and close
+_CLOSE_GRACE_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server with a drain on shutdown (SIGTERM/SIGINT): stop accepting, answer queued requests with
+    503 at once, give running generations ``shutdown_drain_s``, then end each with an error event, so every
+    open stream ends with a final event and ``[DONE]`` and every non-streamed request gets a JSON answer."""
+
+    def __init__(self, app: Any, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.nemo_app = app
+
+    async def shutdown(self, sockets: Optional[list] = None) -> None:
+        """Drain, then uvicorn's own shutdown (close connections, lifespan shutdown unloads the models)."""
+        drain_s = float(self.nemo_app.state.config.shutdown_drain_s)
+        begin_shutdown(self.nemo_app)
+        timer = asyncio.get_running_loop().call_later(drain_s, self.nemo_app.state.manager.abort_running)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def begin_shutdown(app: Any) -> None:
+    """Refuse new generation requests (503 server_shutdown) and answer every queued one with 503."""
+    if not app.state.shutting_down:
+        app.state.shutting_down = True
+        log.info("shutting down: queued requests get 503, running ones have %.1fs to finish",
+                 app.state.config.shutdown_drain_s)
+        app.state.manager.begin_shutdown()
+
+
+def _server(app: Any, cfg: ServeConfig, **kw: Any) -> GracefulServer:
+    config = uvicorn.Config(app, timeout_graceful_shutdown=int(cfg.shutdown_drain_s + _CLOSE_GRACE_S) + 1, **kw)
+    return GracefulServer(app, config)
+
+
 def run_server(cfg: ServeConfig) -> None:
-    """Load the configured models and serve until interrupted (blocking)."""
+    """Load the configured models and serve until interrupted (blocking); SIGTERM drains (see GracefulServer)."""
     from nemo_spec import parallel
 
     cfg.validate()
     parallel.initialize(tensor_parallel_size=1)
     app = create_app(cfg)
     log.info("serving %s on http://%s:%d", app.state.manager.names(), cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=10)
+    _server(app, cfg, host=cfg.host, port=cfg.port, log_level=cfg.log_level).run()
 
 
 class ServerThread:
@@ -38,7 +77,7 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.port = self._sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
+        self.server = _server(self.app, cfg, log_level=log_level)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name="uvicorn")
 
