@@ -25,6 +25,8 @@ from nemo_spec.inference.trees import ancestor_mask, block_context, children_lis
 log = logging.getLogger(__name__)
 
 OnTokens = Callable[[int, List[int]], Optional[bool]]
+#: called once when a row ends by itself: (row, "stop" | "length"), right after its last tokens were streamed
+OnFinish = Callable[[int, str], None]
 
 
 @dataclass
@@ -268,8 +270,8 @@ class Engine:
     # -- bookkeeping --------------------------------------------------------------------------------
 
     def emit(self, st: BatchState, r: int, toks: List[int], tokenizer: Any, on_tokens: Optional[OnTokens],
-             stops: List[set]) -> None:
-        """Append accepted tokens to row r, applying stop tokens/strings, budgets and the streaming callback."""
+             stops: List[set], on_finish: Optional[OnFinish] = None) -> None:
+        """Append accepted tokens to row r, applying stop tokens/strings, budgets and the streaming callbacks."""
         sp = st.params[r]
         new: List[int] = []
         for t in toks:
@@ -299,6 +301,8 @@ class Engine:
         if on_tokens is not None and new:
             if on_tokens(r, new) is False and st.finish[r] is None:
                 st.finish[r] = "cancelled"
+        if on_finish is not None and st.finish[r] in ("stop", "length"):
+            on_finish(r, st.finish[r])
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -310,7 +314,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def run_generation(engine: Engine, proposer: Any, prompts: List[List[int]], params: List[SamplingParams],
                    options: Dict[str, Any], tokenizer: Any = None,
-                   on_tokens: Optional[OnTokens] = None) -> List[GenerationResult]:
+                   on_tokens: Optional[OnTokens] = None,
+                   on_finish: Optional[OnFinish] = None) -> List[GenerationResult]:
     """Generate for a batch with the given proposer (one loop for every method)."""
     cfg = engine.cfg
     engine.check_inputs(prompts, params, proposer.lookahead, options.get("max_cache_len"), tokenizer)
@@ -333,7 +338,7 @@ def run_generation(engine: Engine, proposer: Any, prompts: List[List[int]], para
         proposer.prefill(engine, st, tokens, lens, out, need)
         t_first = time.perf_counter()
         for r, t in enumerate(first.tolist()):
-            engine.emit(st, r, [t], tokenizer, on_tokens, stops)
+            engine.emit(st, r, [t], tokenizer, on_tokens, stops, on_finish)
         while st.active_rows():
             tree = proposer.propose(engine, st)
             res = engine.verify(st, tree, aux)
@@ -343,7 +348,7 @@ def run_generation(engine: Engine, proposer: Any, prompts: List[List[int]], para
             proposer.accepted(engine, st, res)
             st.pending = nxt
             for r in st.active_rows():
-                engine.emit(st, r, res.emitted[r], tokenizer, on_tokens, stops)
+                engine.emit(st, r, res.emitted[r], tokenizer, on_tokens, stops, on_finish)
                 if st.finish[r] is not None:
                     engine.retire(r)
                     proposer.retire(r)

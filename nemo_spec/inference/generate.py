@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from nemo_spec.inference.engine import Engine, GenerationResult, OnTokens, run_generation
+from nemo_spec.inference.engine import Engine, GenerationResult, OnFinish, OnTokens, run_generation
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.inference.speculative import METHODS, make_proposer
 
@@ -42,13 +42,15 @@ def _as_params(params: Union[SamplingParams, Sequence[SamplingParams], None], n:
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
              params: Union[SamplingParams, Sequence[SamplingParams], None] = None, method: str = "ar",
              draft_model: Optional[torch.nn.Module] = None, options: Optional[Dict[str, Any]] = None,
-             tokenizer: Any = None, on_tokens: Optional[OnTokens] = None) -> List[GenerationResult]:
+             tokenizer: Any = None, on_tokens: Optional[OnTokens] = None,
+             on_finish: Optional[OnFinish] = None) -> List[GenerationResult]:
     """Generate continuations of token-id prompts with method ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup.
 
     ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``score_temperature``,
     ``medusa_choices``, ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``,
     ``ignore_eos``); an unknown name is an error.
-    ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row.
+    ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row. ``on_finish(row, reason)``
+    is called when a row ends by itself ("stop" or "length"), before the rest of the batch has finished.
     """
     if method not in METHODS:
         raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")
@@ -64,7 +66,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     if draft_model is not None:
         draft_model.eval()
     try:
-        return run_generation(engine, proposer, prompts, plist, options, tokenizer, on_tokens)
+        return run_generation(engine, proposer, prompts, plist, options, tokenizer, on_tokens, on_finish)
     finally:
         if was_training:
             model.train()

@@ -33,8 +33,10 @@ class BatcherClosedError(RuntimeError):
     """The model's batcher no longer accepts requests (model unloaded)."""
 
 
-# Engine: (prompts, per-row params, on_tokens) -> list of results with .tokens, .finish_reason, .stats
-EngineFn = Callable[[List[List[int]], List[Any], Callable[[int, List[int]], Optional[bool]]], List[Any]]
+# Engine: (prompts, per-row params, on_tokens, on_finish) -> list of results with .tokens, .finish_reason, .stats;
+# on_tokens(row, ids) streams tokens (False cancels the row), on_finish(row, "stop" | "length") ends a row early
+EngineFn = Callable[[List[List[int]], List[Any], Callable[[int, List[int]], Optional[bool]],
+                     Callable[[int, str], None]], List[Any]]
 
 
 class IncrementalDecoder:
@@ -405,7 +407,24 @@ class Batcher:
                 return False
             return True
 
-        results = self.engine([r.prompt for _, r, _, _ in rows], [r.params for _, r, _, _ in rows], on_tokens)
+        def on_finish(row: int, reason: str) -> None:
+            """A row ended by itself: answer it now, not when the whole batch ends."""
+            if done[row]:
+                return
+            req, spec, dec, _ = rows[row]
+            if req.aborted is not None or req.failed:
+                end_row(row, None, len(dec.tokens), {})
+                return
+            if not dec.stopped:
+                delta = dec.flush()
+                if delta:
+                    req.emit(("delta", spec.choice, delta))
+            # the engine drops the stop token (eos) from its output; usage counts it, as it was generated
+            end_row(row, "stop" if dec.stopped else reason,
+                    len(dec.tokens) + (1 if reason == "stop" and not dec.stopped else 0), {})
+
+        results = self.engine([r.prompt for _, r, _, _ in rows], [r.params for _, r, _, _ in rows], on_tokens,
+                              on_finish)
         for i, (req, spec, dec, prog) in enumerate(rows):
             res = results[i]
             stats = dict(getattr(res, "stats", {}) or {})

@@ -100,14 +100,15 @@ class ServedModel:
 
 
 def _engine(model: torch.nn.Module, method: str, options: Dict[str, Any], draft_model: Optional[torch.nn.Module],
-            tokenizer: Any, prompts: List[List[int]], params: List[Any], on_tokens: Any) -> List[Any]:
+            tokenizer: Any, prompts: List[List[int]], params: List[Any], on_tokens: Any,
+            on_finish: Any = None) -> List[Any]:
     from nemo_spec.inference import generate
 
     # end-of-sequence is handled per row through SamplingParams.stop_token_ids (so requests may ignore_eos)
     opts = {**options, "ignore_eos": True}
     with torch.inference_mode():
         return generate(model, prompts, params, method=method, draft_model=draft_model, options=opts,
-                        tokenizer=tokenizer, on_tokens=on_tokens)
+                        tokenizer=tokenizer, on_tokens=on_tokens, on_finish=on_finish)
 
 
 def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float = 0.005,

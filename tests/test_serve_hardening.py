@@ -1,0 +1,400 @@
+"""Regression tests of the server's hardening: one bad request never fails another, big or malformed inputs
+never block or break the server, unload frees the model, SIGTERM ends every stream well-formed, and the metrics
+count what was really generated. Real uvicorn on 127.0.0.1, real engine, ``openai`` client / raw HTTP."""
+from __future__ import annotations
+
+import gc
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nemo_spec.inference import SamplingParams, generate, get_engine
+from tests.helpers import ROOT, _free_port
+from tests.serve_utils import clone_model, live_server, tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    train_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(tok)
+
+
+def _post(srv, path, body, timeout=60, **kw):
+    return httpx.post(srv.url + path, json=body, timeout=timeout, **kw)
+
+
+def _greedy_text(ref, tok, prompt, n):
+    ids = tok(prompt).input_ids
+    res = generate(ref, [ids], SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=(tok.eos_token_id,)))
+    return tok.decode(res[0].tokens, skip_special_tokens=True)
+
+
+def _wait(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------ 1. poison requests
+
+def test_seed_out_of_range_is_a_400(model, tok):
+    with live_server(model, tok, name="tiny") as srv:
+        for seed in (2**64, 2**63, -(2**63) - 1):
+            r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "seed": seed})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "seed"
+        # n rows take seeds seed .. seed+n-1: the last one must fit too
+        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2,
+                                           "seed": 2**63 - 1, "n": 2})
+        assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+        ok = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "seed": 2**63 - 1})
+        assert ok.status_code == 200
+
+
+def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok):
+    """A request the engine cannot run (too long for the KV cache) shares a batch with three good ones: the
+    batch fails, is rerun request by request, and only the bad request gets the 500."""
+    ref = clone_model(model)
+    prompts = ["the cat sat on", "we read code ,", "hello world , this"]
+    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=400,
+                     options={"max_cache_len": 24}) as srv:
+        batcher = srv.manager.get("tiny").batcher
+        before = batcher.batches_run
+        with ThreadPoolExecutor(4) as ex:
+            bad = ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": "the cat sat on",
+                                                             "max_tokens": 40, "temperature": 0})
+            good = [ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 6,
+                                                              "temperature": 0}) for p in prompts]
+            bad, good = bad.result(), [g.result() for g in good]
+        assert bad.status_code == 500 and "cache" in bad.json()["error"]["message"]
+        for p, g in zip(prompts, good):
+            assert g.status_code == 200, g.text
+            assert g.json()["choices"][0]["text"] == _greedy_text(ref, tok, p, 6)
+        assert batcher.batches_run - before >= 1 + 4  # one shared batch, then each request alone
+
+
+# ------------------------------------------------------------------------------------ 2. big inputs
+
+def test_oversized_body_is_a_413_and_never_blocks_the_loop(model, tok):
+    with live_server(model, tok, name="tiny", serve={"max_request_bytes": 1 << 20}) as srv:
+        big = {"model": "tiny", "prompt": "the cat " * (20 * 1024 * 1024 // 8), "max_tokens": 2}
+        t0 = time.monotonic()
+        r = _post(srv, "/v1/completions", big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert time.monotonic() - t0 < 10
+        # chunked upload (no Content-Length): refused once the limit is crossed
+        body = json.dumps(big).encode()
+        r = httpx.post(srv.url + "/v1/completions", content=iter([body[i:i + 65536] for i in range(0, len(body),
+                                                                                                 65536)]),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413
+        assert _post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_prompt_character_limit_is_checked_before_tokenizing(model, tok, monkeypatch):
+    import nemo_spec.serve.app as app_mod
+
+    calls = []
+    orig = app_mod._encode
+    monkeypatch.setattr(app_mod, "_encode", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    with live_server(model, tok, name="tiny", serve={"max_prompt_chars": 1000}) as srv:
+        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "x" * 1001, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
+        r = _post(srv, "/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [
+            {"role": "system", "content": "y" * 600}, {"role": "user", "content": "z" * 600}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert not calls  # neither was tokenized
+        assert _post(srv, "/v1/completions", {"model": "tiny", "prompt": "x" * 999, "max_tokens": 1}).status_code \
+            in (200, 400)  # tokenized (may exceed the context: a 400 naming it)
+        assert calls
+
+
+def test_tokenizing_runs_off_the_event_loop(model, tok, monkeypatch):
+    """While a request's tokenization is stuck, /health and other requests are answered."""
+    import nemo_spec.serve.app as app_mod
+
+    release = threading.Event()
+    orig = app_mod._encode
+
+    def slow_encode(served, text, add_special_tokens):
+        if "SLOW" in text:
+            assert release.wait(60)
+        return orig(served, text, add_special_tokens)
+
+    monkeypatch.setattr(app_mod, "_encode", slow_encode)
+    with live_server(model, tok, name="tiny") as srv:
+        with ThreadPoolExecutor(2) as ex:
+            slow = ex.submit(_post, srv, "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "SLOW the cat"}]})
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            other = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the dog", "max_tokens": 2}, timeout=10)
+            assert other.status_code == 200 and time.monotonic() - t0 < 8
+            assert not slow.done()
+            release.set()
+            assert slow.result().status_code == 200
+
+
+# ------------------------------------------------------------------------------------ 3. invalid unicode
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}',
+    b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\udc00b"}]}',
+    b'{"model": "tiny", "prompt": "a\xed\xa0\x80b", "max_tokens": 2}',  # the surrogate as raw (invalid) UTF-8
+])
+def test_lone_surrogate_is_a_400_and_the_connection_stays_usable(model, tok, body):
+    with live_server(model, tok, name="tiny") as srv:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        err = json.loads(r.read())
+        assert r.status == 400, err
+        assert err["error"]["param"] in ("prompt", "messages")
+        # same keep-alive connection: the next request is answered
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "the cat",
+                                                                "max_tokens": 2}).encode(),
+                     headers={"Content-Type": "application/json"})
+        r2 = conn.getresponse()
+        assert r2.status == 200 and json.loads(r2.read())["choices"]
+        conn.close()
+
+
+# ------------------------------------------------------------------------------------ 5. unload frees the model
+
+def test_generate_does_not_keep_the_model_alive(tok):
+    m = tiny_model(tok)
+    generate(m, [[5, 6, 7]], SamplingParams(max_new_tokens=4))
+    refs = [weakref.ref(m), weakref.ref(get_engine(m).caches["target"].k)]
+    del m
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_admin_unload_frees_model_and_kv_cache(tok, tmp_path):
+    from nemo_spec.serve import ModelSpec, ServeConfig
+    from nemo_spec.serve.models import ModelManager
+    from nemo_spec.serve.server import ServerThread
+
+    cfg = ServeConfig(admin_key="sk-admin")
+    manager = ModelManager()
+    manager.add(ModelSpec(name="a"), model=tiny_model(tok), tokenizer=tok)
+    with ServerThread(cfg, manager) as srv:
+        for stream in (False, True):
+            r = _post(srv, "/v1/completions", {"model": "a", "prompt": "the cat", "max_tokens": 4, "stream": stream})
+            assert r.status_code == 200
+        m = manager.get("a").model
+        refs = [weakref.ref(m), weakref.ref(get_engine(m).caches["target"].k)]
+        del m
+        r = _post(srv, "/admin/models/unload", {"name": "a"}, headers={"Authorization": "Bearer sk-admin"})
+        assert r.status_code == 200
+        gc.collect()
+        assert [x() for x in refs] == [None, None]
+
+
+# ------------------------------------------------------------------------------------ 6. tiny temperatures
+
+def test_tiny_temperature_is_greedy(model, tok):
+    ids = tok("the cat sat on").input_ids
+    greedy = generate(clone_model(model), [ids], SamplingParams(temperature=0.0, max_new_tokens=12))[0].tokens
+    for t in (1e-40, 1e-7):
+        p = SamplingParams(temperature=t, max_new_tokens=12, seed=3)
+        assert p.greedy
+        assert generate(clone_model(model), [ids], p)[0].tokens == greedy
+    with live_server(model, tok, name="tiny") as srv:
+        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 1e-40,
+                                           "ignore_eos": True})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == tok.decode(greedy, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------ 7. metrics and batching
+
+def test_cancelled_tokens_are_counted_and_latency_matches_ttft(tok):
+    slow = tiny_model(tok, max_position_embeddings=4096)
+    with live_server(slow, tok, name="slow", max_batch=1, batch_wait_ms=0) as srv:
+        metrics = srv.app.state.metrics
+        body = {"model": "slow", "prompt": "the cat", "max_tokens": 3000, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        received = 0
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    received += 1
+                if received >= 5:
+                    break
+        _wait(lambda: metrics.cancelled.total() >= 1)
+        assert metrics.completion_tokens.total() >= received  # each chunk carried >= 1 token
+        ok = _post(srv, "/v1/completions", {"model": "slow", "prompt": "the cat", "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200
+        _wait(lambda: metrics.latency.count() == 2)
+        assert metrics.ttft.count() == metrics.latency.count() == 2
+        assert metrics.prompt_tokens.total() == 2 * len(tok("the cat").input_ids)
+
+
+def test_health_can_require_the_key_and_queue_full_sends_retry_after(tok):
+    slow = tiny_model(tok, max_position_embeddings=4096)
+    with live_server(slow, tok, name="slow", api_keys=("sk-u",), max_batch=1, max_queue=1, batch_wait_ms=0,
+                     serve={"health_requires_key": True, "retry_after_s": 3}) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 401
+        auth = {"Authorization": "Bearer sk-u"}
+        assert httpx.get(srv.url + "/health", headers=auth).status_code == 200
+        batcher = srv.manager.get("slow").batcher
+        body = {"model": "slow", "prompt": "the cat", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=auth, timeout=60) as s:
+            it = s.iter_lines()  # kept alive: a dropped iterator closes the stream (= client disconnect)
+            next(line for line in it if line.startswith("data: {"))
+            waiting = ThreadPoolExecutor(1).submit(
+                _post, srv, "/v1/completions", {"model": "slow", "prompt": "x", "max_tokens": 2}, headers=auth)
+            _wait(lambda: batcher.queue_depth() == 1)
+            r = _post(srv, "/v1/completions", {"model": "slow", "prompt": "x", "max_tokens": 2}, headers=auth)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "3"
+        assert waiting.result(60).status_code == 200
+
+
+def test_n_above_max_batch_is_split_over_batches(model, tok):
+    ref = clone_model(model)
+    ids = tok("the cat sat on").input_ids
+    with live_server(model, tok, name="tiny", max_batch=2) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0.9, seed=11, n=5,
+                                   extra_body={"ignore_eos": True})
+    assert len(out.choices) == 5 and out.usage.completion_tokens == 40
+    for ch in out.choices:  # each choice is its own seeded row: the same as generating it alone
+        want = generate(ref, [ids], SamplingParams(temperature=0.9, max_new_tokens=8, seed=11 + ch.index),
+                        options={"ignore_eos": True})[0]
+        assert ch.text == tok.decode(want.tokens, skip_special_tokens=True)
+
+
+def test_free_slots_are_filled_from_queued_requests(model, tok):
+    """max_batch 3 with two n=2 requests queued: the first batch runs 3 rows (one of the second request's
+    rows joins), not 2."""
+    with live_server(model, tok, name="tiny", max_batch=3, batch_wait_ms=500) as srv:
+        sizes = srv.app.state.metrics.batch_size
+        with ThreadPoolExecutor(2) as ex:
+            rs = [ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 4, "n": 2})
+                  for p in ("the cat", "the dog")]
+            assert all(r.result().status_code == 200 for r in rs)
+        series = sizes._series[()]
+        buckets = dict(zip(sizes.buckets, series[0]))
+        # cumulative buckets: two batches, one of 1 row and one of 3 (was: two batches of 2)
+        assert series[1][1] == 2 and buckets[1] == 1 and buckets[2] == 1 and buckets[4] == 2
+
+
+# ------------------------------------------------------------------------------------ 4. SIGTERM
+
+def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
+    """scripts/serve.py gets SIGTERM with streams running and queued: queued ones are answered at once (503
+    error event / JSON), running ones get the drain time, then end with an error event; every stream ends with
+    ``data: [DONE]``, a short running one finishes normally, and the process exits."""
+    from nemo_spec.checkpoint.hf import export_hf
+
+    long_model = tiny_model(tok, max_position_embeddings=4096)
+    ckpt = export_hf(long_model, tmp_path / "hf", tokenizer_dir=tok_dir)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "model.name=tiny",
+           f"port={port}", "model.max_batch=4", "shutdown_drain_s=4", "batch_wait_ms=300",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, url)
+        results: dict = {}
+
+        def stream(i, max_tokens):
+            lines = []
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                        "model": "tiny", "prompt": "the cat", "max_tokens": max_tokens, "stream": True,
+                        "ignore_eos": True}) as r:
+                    results[i] = {"status": r.status_code, "lines": lines}
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+            except httpx.HTTPError as e:
+                results[i] = {"error": repr(e), "lines": lines}
+
+        def plain(i):
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": "the dog", "max_tokens": 3000, "ignore_eos": True})
+                results[i] = {"status": r.status_code, "body": r.text, "type": r.headers.get("content-type")}
+            except httpx.HTTPError as e:
+                results[i] = {"error": repr(e)}
+
+        # stream 0 is short (finishes within the drain time), 1-3 run 3000 tokens, 4-7 and 8 wait in the queue
+        threads = [threading.Thread(target=stream, args=(0, 200))]
+        threads += [threading.Thread(target=stream, args=(i, 3000)) for i in range(1, 8)]
+        threads += [threading.Thread(target=plain, args=(8,))]
+        for t in threads:  # within one batch_wait_ms, in this order (FIFO: 0-3 form the running batch)
+            t.start()
+            time.sleep(0.02)
+        lines_of = lambda i: results.get(i, {}).get("lines", [])  # noqa: E731
+        _wait(lambda: len(lines_of(0)) >= 5 and all(lines_of(i) for i in (1, 2, 3)), timeout=60)
+        assert not any(line.endswith("[DONE]") for line in lines_of(0))  # still running at SIGTERM
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = proc.stdout.read()
+    for i in range(8):
+        r = results[i]
+        assert "error" not in r, (i, r, out[-3000:])
+        lines = r["lines"]
+        assert lines[-1] == "data: [DONE]", (i, lines[-3:])
+        last = json.loads(lines[-2][6:])
+        if i == 0:
+            assert last.get("choices", [{}])[0].get("finish_reason") == "length", (lines[-3:], len(lines), out[-3000:])
+        else:
+            assert last["error"]["code"] == "server_shutdown", last
+    r = results[8]
+    assert r["status"] == 503 and r["type"].startswith("application/json")
+    assert json.loads(r["body"])["error"]["code"] == "server_shutdown"
+
+
+def _wait_up(proc, url, timeout=240):
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.3)
