@@ -9,6 +9,9 @@ import json
 import logging
 import sys
 from pathlib import Path
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 
 
 def main(argv=None) -> int:
@@ -58,4 +61,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry.report_user_errors(main)())

@@ -5,7 +5,10 @@ Same as ``python -m nemo_spec.training.benchmark`` (default model: the built-in 
 
     python scripts/benchmark_train.py [--draft_vocab 2048] [--layers 12] [--threads 1] [--algorithm eagle1]
 """
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 from nemo_spec.training.benchmark import main
 
 if __name__ == "__main__":
-    main()
+    entry.report_user_errors(main)()

@@ -10,11 +10,15 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="build_base")
+@entry.report_user_errors
 def main(cfg: DictConfig) -> None:
     from nemo_spec.base.build import run_from_config, summary
 

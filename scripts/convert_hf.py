@@ -9,6 +9,9 @@ import argparse
 import logging
 import sys
 
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 from nemo_spec import parallel
 from nemo_spec.checkpoint import hf
 
@@ -44,4 +47,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry.report_user_errors(main)())

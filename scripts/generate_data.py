@@ -12,6 +12,9 @@ import logging
 import os
 import sys
 
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 from nemo_spec.datagen import DatagenConfig, DatagenError, generate_data
 
 
@@ -52,4 +55,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry.report_user_errors(main)())

@@ -9,7 +9,10 @@ import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 from nemo_spec.base.quickstart import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry.report_user_errors(main)())

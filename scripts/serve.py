@@ -2,11 +2,15 @@
 """Serve models behind an OpenAI-compatible API (config: conf/serve.yaml; Hydra overrides on the command line)."""
 import logging
 
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(config_path="../conf", config_name="serve", version_base=None)
+@entry.report_user_errors
 def main(cfg: DictConfig) -> None:
     from nemo_spec.serve.config import ServeConfig
     from nemo_spec.serve.server import run_server

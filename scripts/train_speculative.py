@@ -4,11 +4,15 @@
     python scripts/train_speculative.py model_path=ckpt/base spec=eagle3 data=daring_anteater data.path=train.jsonl
     torchrun --nproc_per_node 2 scripts/train_speculative.py ... trainer.tensor_parallel_size=2
 """
+from nemo_spec import entry  # noqa: E402
+entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@entry.report_user_errors
 def main(cfg: DictConfig) -> None:
     from nemo_spec.training.cli import run_from_hydra, typed_config
 

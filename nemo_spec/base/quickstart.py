@@ -70,7 +70,7 @@ class QuickstartConfig:
     preset: str = "small"
     seed: int = 0
     cache_dir: Optional[str] = None
-    draft_vocab_size: Optional[int] = 4096
+    draft_vocab_size: Optional[int] = None  # None: half the base vocabulary (4096 for `small`); 0: all of it
     train_steps: int = 200
     train_bs: int = 8
     train_seq_len: int = 256
@@ -212,13 +212,23 @@ def run_quickstart(cfg: QuickstartConfig, on_stage: Optional[Callable[[str, str]
     return res
 
 
+def _base_vocab_size(base: BaseModel) -> int:
+    """The built base model's vocabulary size (from its checkpoint config)."""
+    from nemo_spec.checkpoint import read_checkpoint_config
+
+    return int(read_checkpoint_config(base.checkpoint)["model"]["vocab_size"])
+
+
 def _stage_speculate(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) -> bool:
     out = res.work_dir / "eagle3_init"
     res.outputs["speculate"] = out
     args = ["scripts/gpt_speculate.py", "--model_path", str(base.checkpoint), "--export_dir", str(out),
             "--algorithm", "eagle3", "--num_eagle_layers", "1"]
-    if cfg.draft_vocab_size:
-        args += ["--draft_vocab_size", str(cfg.draft_vocab_size), "--token_counts", str(base.token_counts)]
+    draft_vocab = cfg.draft_vocab_size
+    if draft_vocab is None:  # a default that fits every preset (tiny's vocabulary is 512)
+        draft_vocab = _base_vocab_size(base) // 2
+    if draft_vocab:
+        args += ["--draft_vocab_size", str(draft_vocab), "--token_counts", str(base.token_counts)]
     args += list(cfg.extra.get("speculate", []))
     if _reuse_or_reset(res, "speculate", args, [out], lambda: (out / "nemo_spec_config.json").is_file()):
         return True
@@ -322,7 +332,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--cache_dir", default=None, help="cache root (default $NEMO_SPEC_CACHE or ~/.cache/nemo_spec)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    p.add_argument("--draft_vocab_size", type=int, default=d.draft_vocab_size, help="EAGLE-3 draft vocabulary")
+    p.add_argument("--draft_vocab_size", type=int, default=d.draft_vocab_size,
+                   help="EAGLE-3 draft vocabulary (default: half the base vocabulary; 0: the whole vocabulary)")
     p.add_argument("--train_steps", type=int, default=d.train_steps)
     p.add_argument("--train_bs", type=int, default=d.train_bs)
     p.add_argument("--train_seq_len", type=int, default=d.train_seq_len)
@@ -338,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = QuickstartConfig(preset=args.preset, seed=args.seed, cache_dir=args.cache_dir,
                            stages=[s.strip() for s in args.stages.split(",") if s.strip()],
-                           draft_vocab_size=args.draft_vocab_size or None, train_steps=args.train_steps,
+                           draft_vocab_size=args.draft_vocab_size, train_steps=args.train_steps,
                            train_bs=args.train_bs, train_seq_len=args.train_seq_len, train_lr=args.train_lr,
                            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
     try:

@@ -145,20 +145,31 @@ def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
 
 
 def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
-    """Yield (where, object or None, error) for each JSONL line or JSON-list item of ``file``."""
-    with open(file, encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
+    """Yield (where, object or None, error) for each JSONL line or JSON-list item of ``file``; a line that is
+    not valid UTF-8 is a malformed record like invalid JSON."""
+    with open(file, "rb") as fb:
+        head = fb.read(4096).decode("utf-8", errors="replace").lstrip()
     if head.startswith("["):
+        raw = file.read_bytes()
         try:
-            items = json.loads(file.read_text(encoding="utf-8"))
+            items = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line_no = raw.count(b"\n", 0, e.start) + 1
+            yield f"{file}:{line_no}", None, f"invalid UTF-8 at byte {e.start}: {e.reason}"
+            return
         except json.JSONDecodeError as e:
             yield f"{file}:{e.lineno}", None, f"invalid JSON: {e.msg}"
             return
         for i, item in enumerate(items):
             yield f"{file}:item {i}", item, None
         return
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(file, "rb") as f:
+        for lineno, raw_line in enumerate(f, 1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield f"{file}:{lineno}", None, f"invalid UTF-8 at column {e.start + 1}: {e.reason}"
+                continue
             if not line.strip():
                 continue
             try:

@@ -36,11 +36,18 @@ class SpecTransformerConfig(TransformerConfig):
     nemo_rope_scaling: Optional[Dict[str, Any]] = None
 
 
+_TC_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
 def transformer_config(cfg: ModelConfig, tp_size: int = 1, params_dtype: torch.dtype = torch.float32,
                        num_layers: Optional[int] = None) -> SpecTransformerConfig:
     """Map our ModelConfig to a megatron-core TransformerConfig (CPU-safe fusions off)."""
     act = {"swiglu": F.silu, "gelu": gelu_tanh, "gelu_exact": F.gelu}[cfg.activation]
+    extra: Dict[str, Any] = {}
+    if "cuda_graph_scope" in _TC_FIELDS:  # megatron's default "full" warns that it is deprecated; [] is the same
+        extra["cuda_graph_scope"] = []
     return SpecTransformerConfig(
+        **extra,
         num_layers=num_layers if num_layers is not None else cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,

@@ -1,0 +1,140 @@
+"""What a user sees from the command line: no expected-fallback warnings, one-line user errors (exit 2),
+undecodable data lines treated as malformed records, and the README's smoke commands running as written."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_spec.data.formats import DataFormatError, ReadStats, read_conversations
+from tests.helpers import ROOT
+
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR",
+              "NEMO_SPEC_DEBUG", "PYTHONWARNINGS"):
+        env.pop(k, None)
+    return env
+
+
+def _run(args, timeout=300, cwd=ROOT):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_script_help_is_free_of_fallback_warnings():
+    procs = {s: subprocess.Popen([sys.executable, str(ROOT / "scripts" / s), "--help"], cwd=ROOT, env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in SCRIPTS}
+    for s, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, (s, err[-2000:])
+        assert "usage" in (out + err).lower() or "powered by hydra" in out.lower(), s
+        for pattern in ("Transformer Engine", "Apex", "Warning"):
+            assert pattern not in err, (s, err[-2000:])
+
+
+def test_expected_fallbacks_are_quiet_but_other_warnings_show():
+    code = ("import warnings\nfrom nemo_spec import entry\nentry.setup()\n"
+            "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch optimizers.')\n"
+            "warnings.warn('something real went wrong')\n")
+    proc = _run(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "Transformer Engine" not in proc.stderr and "something real went wrong" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory):
+    from nemo_spec.checkpoint.hf import export_hf
+    from tests.serve_utils import tiny_model, train_tokenizer
+
+    d = tmp_path_factory.mktemp("cli")
+    tok = train_tokenizer(d / "tok")
+    return export_hf(tiny_model(tok), d / "hf", tokenizer_dir=d / "tok")
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+def test_training_on_an_empty_or_undecodable_file_is_a_one_line_error(hf_ckpt, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"conversations": [{"from": "User", "value": "hi \xff\xfe"}]}\n')
+    common = ["scripts/train_speculative.py", f"model_path={hf_ckpt}", "spec=eagle3", "trainer.max_steps=1",
+              f"hydra.run.dir={tmp_path / 'h'}"]
+    _one_line_error(_run([*common, f"data.path={empty}", f"run_dir={tmp_path / 'r1'}"]), str(empty))
+    _one_line_error(_run([*common, f"data.path={bad}", f"run_dir={tmp_path / 'r2'}", "data.strict=true"]),
+                    f"{bad}:1", "UTF-8")
+    # --debug shows the whole trace
+    dbg = _run([*common, f"data.path={empty}", f"run_dir={tmp_path / 'r3'}", "--debug"])
+    assert dbg.returncode != 0 and "Traceback" in dbg.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["scripts/gpt_speculate.py", "--model_path", "/no/such/ckpt", "--export_dir", "/tmp/x", "--algorithm", "eagle3",
+      "--num_eagle_layers", "1"], "/no/such/ckpt"),
+    (["scripts/generate.py", "--model", "/no/such/ckpt", "hi"], "/no/such/ckpt"),
+    (["scripts/export.py", "--checkpoint", "/no/such/ckpt", "--export_dir", "/tmp/x"], "/no/such/ckpt"),
+    (["scripts/serve.py", "model.path=/no/such/ckpt"], "/no/such/ckpt"),
+])
+def test_missing_checkpoint_is_a_one_line_error(args, needle, tmp_path):
+    if args[0] == "scripts/serve.py":
+        args = [*args, f"hydra.run.dir={tmp_path}"]
+    proc = _run(args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr[-3000:]
+
+
+def test_undecodable_lines_are_malformed_records(tmp_path):
+    f = tmp_path / "d.jsonl"
+    good = b'{"conversations": [{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo"}]}\n'
+    f.write_bytes(good + b'{"conversations": [{"from": "User", "value": "\xc3\x28"}]}\n' + good)
+    stats = ReadStats()
+    recs = read_conversations(f, stats=stats)
+    assert len(recs) == 2 and stats.kept == 2 and stats.skipped == 1
+    with pytest.raises(DataFormatError, match=rf"{re.escape(str(f))}:2: invalid UTF-8"):
+        read_conversations(f, strict=True)
+    lst = tmp_path / "l.json"
+    lst.write_bytes(b'[\n{"conversations": []},\n"\xff"\n]')
+    with pytest.raises(DataFormatError, match=rf"{re.escape(str(lst))}:3: invalid UTF-8"):
+        read_conversations(lst, strict=True)
+
+
+# ------------------------------------------------------------------------------------ README commands
+
+def readme_smoke_commands():
+    """The README's smoke-run commands, exactly as written (lines of its bash blocks marked '# smoke run')."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.split("#")[0].strip() for b in blocks for line in b.splitlines() if line.rstrip().endswith("# smoke run")]
+
+
+def test_readme_has_smoke_commands():
+    cmds = readme_smoke_commands()
+    assert cmds and all(c.startswith("python scripts/") for c in cmds), cmds
+
+
+@pytest.mark.parametrize("cmd", readme_smoke_commands())
+def test_readme_smoke_command_runs_as_written(cmd, tmp_path):
+    argv = shlex.split(cmd)
+    if "--cache_dir" in argv:  # start from nothing, as a new user does
+        shutil.rmtree(argv[argv.index("--cache_dir") + 1], ignore_errors=True)
+    env = _env()
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # `python` = this venv
+    proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
