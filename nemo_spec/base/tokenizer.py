@@ -100,16 +100,6 @@ def save_tokenizer(tok, out_dir: Union[str, Path], model_max_length: int = 2048)
     return out_dir
 
 
-def load_tokenizer(path: Union[str, Path]):
-    """Load a saved tokenizer directory with transformers (offline)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise TokenizerError(f"{path} has no tokenizer.json")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
 def encode_documents(tok, texts: Iterable[str], batch_size: int = 64) -> List[List[int]]:
     """Encode each text as ``<|bos|> ... <|eos|>`` token ids with a ``tokenizers.Tokenizer``."""
     eos_id = tok.token_to_id(EOS)

@@ -29,6 +29,7 @@ import torch
 from nemo_spec import parallel
 from nemo_spec.fsutil import publish_directory
 from nemo_spec.config import ConfigError, ModelConfig
+from nemo_spec.checkpoint.megatron import TOKENIZER_FILES, copy_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,6 @@ SUPPORTED_ARCHITECTURES: Dict[str, str] = {
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
-#: Tokenizer / chat-template files copied along on export.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
 
 # Entries some checkpoints carry that are not weights (RoPE caches, GPT-2 causal-mask buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
@@ -72,15 +68,20 @@ _DTYPES: Dict[str, torch.dtype] = {
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    """Map 'fp32'/'bf16'/'fp16' (or a torch dtype) to a torch dtype; reject anything else."""
+def resolve_dtype(dtype: Union[str, torch.dtype], what: str = "dtype",
+                  error: type = None) -> torch.dtype:  # type: ignore[assignment]
+    """Map 'fp32'/'bf16'/'fp16' (float32, bfloat16, float16, half; 'auto' = bf16 on CUDA, fp32 on CPU) or a
+    torch dtype to a torch dtype; anything else raises ``error`` (default HFCheckpointError) naming ``what``."""
+    error = error or HFCheckpointError
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPE_NAMES:
-            raise HFCheckpointError(f"dtype {dtype} is not supported; choose fp32, bf16 or fp16")
+            raise error(f"unknown {what} {dtype}; choose one of fp32, bf16, fp16")
         return dtype
-    key = str(dtype).lower().replace("torch.", "")
+    key = str(dtype).strip().lower().replace("torch.", "")
+    if key == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if key not in _DTYPES:
-        raise HFCheckpointError(f"dtype {dtype!r} is not supported; choose fp32, bf16 or fp16")
+        raise error(f"unknown {what} {dtype!r}; choose one of fp32, bf16, fp16 (or auto)")
     return _DTYPES[key]
 
 
@@ -712,15 +713,6 @@ def _generation_config(cfg: ModelConfig) -> Dict[str, Any]:
     return out
 
 
-def _copy_tokenizer(tokenizer_dir: Path, dst: Path) -> List[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, dst / name)
-            copied.append(name)
-    return copied
-
-
 def _write_hf_dir(tmp: Path, hf_config: Dict[str, Any], tensors: Dict[str, torch.Tensor], cfg: ModelConfig,
                   tokenizer_dir: Optional[Path]) -> None:
     from safetensors.torch import save_file
@@ -729,9 +721,7 @@ def _write_hf_dir(tmp: Path, hf_config: Dict[str, Any], tensors: Dict[str, torch
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     copied: List[str] = []
     if tokenizer_dir is not None:
-        copied = _copy_tokenizer(tokenizer_dir, tmp)
-        if (tokenizer_dir / "generation_config.json").is_file():
-            shutil.copy2(tokenizer_dir / "generation_config.json", tmp / "generation_config.json")
+        copied = copy_tokenizer(tokenizer_dir, tmp)
     if not (tmp / "generation_config.json").exists():
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
     log.info("wrote config.json, model.safetensors (%d tensors), generation_config.json%s", len(tensors),
@@ -817,9 +807,7 @@ def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
         tok: Optional[Path] = None
         if has_tokenizer_files(src):  # only tokenizer files (and the generation config), never the weights
             tok = Path(tmp)
-            _copy_tokenizer(src, tok)
-            if (src / "generation_config.json").is_file():
-                shutil.copy2(src / "generation_config.json", tok / "generation_config.json")
+            copy_tokenizer(src, tok)
         return save_checkpoint(model, out_dir, tokenizer_dir=tok, extra={"converted_from_hf": str(src)})
 
 

@@ -302,7 +302,7 @@ def read_config(p: Path) -> Dict[str, Any]:
     }
 
 
-def find_tokenizer_dir(p: Path) -> Optional[Path]:
+def tokenizer_dir_from_args(p: Path) -> Optional[Path]:
     """A local HF tokenizer directory named by the Megatron-LM args (tokenizer_model), if it exists."""
     try:
         head, _ = _read_header(locate(p))

@@ -19,7 +19,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
@@ -35,8 +35,10 @@ TOKENIZER_SUBDIR = "tokenizer"
 FORMAT_NAME = "nemo_spec"
 DIST_METADATA = "metadata.json"  # written last by megatron dist_checkpointing
 TEMP_SUFFIX = ".nemo_spec-partial"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "special_tokens_map.json", "vocab.txt")
+#: tokenizer / chat-template files: what marks a tokenizer directory and what is copied along with a checkpoint
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
 
 PathLike = Union[str, os.PathLike]
 
@@ -203,47 +205,34 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
-        return legacy.find_tokenizer_dir(p)
+        return legacy.tokenizer_dir_from_args(p)
     return None
 
 
-def _copy_tokenizer(src: PathLike, dst: Path) -> None:
+def copy_tokenizer(src: PathLike, dst: Path) -> List[str]:
+    """Copy the tokenizer files (TOKENIZER_FILES, plus generation_config.json) of directory ``src`` into ``dst``,
+    never anything else (``src`` may be a model directory); returns the names copied."""
     src = Path(src).expanduser()
     if not src.is_dir():
         raise CheckpointError(f"tokenizer_dir {src} is not a directory")
+    names = [n for n in TOKENIZER_FILES + ("generation_config.json",) if (src / n).is_file()]
+    if not any(n in TOKENIZER_FILES for n in names):
+        raise CheckpointError(f"tokenizer_dir {src} holds no tokenizer files (looked for {list(TOKENIZER_FILES)})")
     dst.mkdir(parents=True, exist_ok=True)
-    n = 0
-    for f in sorted(src.iterdir()):
-        if f.is_file():
-            shutil.copy2(f, dst / f.name)
-            n += 1
-    if n == 0:
-        raise CheckpointError(f"tokenizer_dir {src} holds no files")
+    for n in names:
+        shutil.copy2(src / n, dst / n)
+    return names
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # model helpers
 # ----------------------------------------------------------------------------------------------------------------
 
-def _is_speculative(m: torch.nn.Module) -> bool:
-    return hasattr(m, "spec_config") and hasattr(m, "gpt") and hasattr(m, "sharded_state_dict")
-
-
 def _checkpoint_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose sharded_state_dict() is saved: a SpeculativeGPT or the GPTModel (unwrapping wrappers)."""
-    from megatron.core.models.gpt import GPTModel
+    from nemo_spec.models import unwrap, unwrap_speculative
 
-    from nemo_spec.models import unwrap
-
-    m = model
-    for _ in range(8):
-        if _is_speculative(m) or isinstance(m, GPTModel):
-            return m
-        nxt = getattr(m, "module", None) or getattr(m, "model", None)
-        if not isinstance(nxt, torch.nn.Module):
-            break
-        m = nxt
-    return unwrap(model)
+    return unwrap_speculative(model) or unwrap(model)
 
 
 def _params_dtype(m: torch.nn.Module) -> torch.dtype:
@@ -321,7 +310,9 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         "params_dtype": str(_params_dtype(module)).replace("torch.", ""),
         "checkpoint_format": "torch_dist",
     }
-    if _is_speculative(module):
+    from nemo_spec.models import is_speculative
+
+    if is_speculative(module):
         meta["speculative"] = module.spec_config.to_dict()
     for k, v in (extra or {}).items():
         if k in meta:
@@ -351,7 +342,7 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         dist_checkpointing.save(sharded_sd, str(tmp), sharded_strategy=_save_strategy())
         if rank0:
             if tokenizer_dir is not None:
-                _copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
+                copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
             _write_config(tmp, meta)
     except BaseException as e:  # noqa: BLE001
         err = e

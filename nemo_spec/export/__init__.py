@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 
 from nemo_spec import parallel
+from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.export import eagle as eagle_fmt
 from nemo_spec.export import medusa as medusa_fmt
@@ -38,13 +39,13 @@ from nemo_spec.export.formats import (
     check_export_dir,
     hf_dtype_name,
     load_tensors,
-    parse_dtype,
     read_json,
     save_safetensors,
     write_json,
 )
 from nemo_spec.export.readme import render_readme
 from nemo_spec.fsutil import publish_directory
+from nemo_spec.models.gpt import is_speculative, unwrap_speculative
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +60,9 @@ __all__ = ["ExportError", "FORMATS", "DRAFT_FORMATS", "export_model", "export_ch
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _is_speculative(model: torch.nn.Module) -> bool:
-    return hasattr(model, "spec_config") and hasattr(model, "draft") and hasattr(model, "gpt")
-
-
 def _unwrap_spec(model: torch.nn.Module) -> torch.nn.Module:
-    """The SpeculativeGPT (or plain GPTModel) inside Lightning/DDP wrappers."""
-    m = model
-    for _ in range(8):
-        if _is_speculative(m):
-            return m
-        nxt = getattr(m, "module", None) or getattr(m, "model", None)
-        if nxt is None or nxt is m:
-            break
-        m = nxt
-    return model
+    """The SpeculativeGPT inside Lightning/DDP wrappers, else the model as given."""
+    return unwrap_speculative(model) or model
 
 
 def resolve_format(fmt: str, algorithm: Optional[str], source: str = "model") -> str:
@@ -103,7 +92,7 @@ def draft_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     from nemo_spec.checkpoint.tp import is_tensor_entry
 
     spec = _unwrap_spec(model)
-    if not _is_speculative(spec):
+    if not is_speculative(spec):
         raise ExportError(f"{type(model).__name__} has no draft")
     prefix = spec.draft_prefix
     local = {prefix + k: v.detach().cpu() for k, v in spec.draft.state_dict().items() if is_tensor_entry(k, v)}
@@ -263,9 +252,9 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     from nemo_spec.checkpoint.hf import export_hf
 
     target = Path(export_dir).absolute()
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, "export dtype", ExportError)
     spec_model = _unwrap_spec(model)
-    transformed = _is_speculative(spec_model)
+    transformed = is_speculative(spec_model)
     algorithm = spec_model.spec_config.algorithm if transformed else None
     fmt = resolve_format(fmt, algorithm, source or type(model).__name__)
     if fmt == "base" and not include_base:
@@ -335,7 +324,7 @@ def export_checkpoint(checkpoint: PathLike, export_dir: PathLike, fmt: str = "au
     saved = read_checkpoint_config(ckpt)
     algorithm = (saved.get("speculative") or {}).get("algorithm") if isinstance(saved, dict) else None
     resolve_format(fmt, algorithm, f"checkpoint {ckpt}")  # fail before loading weights
-    parse_dtype(dtype)
+    resolve_dtype(dtype, "export dtype", ExportError)
     check_export_dir(Path(export_dir), overwrite)
     model = load_model(ckpt)
     return export_model(model, export_dir, fmt=fmt, dtype=dtype, overwrite=overwrite,
@@ -385,7 +374,7 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
     the model's.
     """
     spec = _unwrap_spec(model)
-    if not _is_speculative(spec):
+    if not is_speculative(spec):
         raise ExportError(f"import_draft needs a transformed model (SpeculativeGPT), got {type(model).__name__}")
     d = _draft_dir(Path(path))
     fmt = detect_draft_format(d)

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
-from nemo_spec.checkpoint.hf import HFCheckpointError, qkv_from_megatron, qkv_to_megatron, resolve_dtype
+from nemo_spec.checkpoint.hf import qkv_from_megatron, qkv_to_megatron
 from nemo_spec.fsutil import publish_directory
 
 log = logging.getLogger(__name__)
@@ -32,14 +32,6 @@ class ExportError(RuntimeError):
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map 'fp32' | 'bf16' | 'fp16' (or float32, bfloat16, float16, half, or one of those torch dtypes) to a dtype."""
-    try:
-        return resolve_dtype(name.strip() if isinstance(name, str) else name)
-    except HFCheckpointError:
-        raise ExportError(f"unknown export dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 def hf_dtype_name(dtype: torch.dtype) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_spec.models import gpt_forward, model_config, new_kv_cache, unwrap
+from nemo_spec.models import gpt_forward, model_config, new_kv_cache, unwrap, unwrap_speculative
 from nemo_spec.inference.engine import BatchState, DraftTree, Engine, StepResult
 from nemo_spec.inference.sampling import SamplingError, sample_from, warp_rows
 from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, block_context, chain_mask, chain_parents, select_tree,
@@ -227,12 +227,8 @@ class _SpecModelProposer(ARProposer):
     """Shared plumbing for proposers driven by a SpeculativeGPT (EAGLE / Medusa)."""
 
     def __init__(self, model: torch.nn.Module, algorithms: Sequence[str]) -> None:
-        spec = model
-        for _ in range(4):
-            if hasattr(spec, "draft_step") or hasattr(spec, "medusa_logits"):
-                break
-            spec = getattr(spec, "module", getattr(spec, "model", spec))
-        if not hasattr(spec, "spec_config"):
+        spec = unwrap_speculative(model)
+        if spec is None:
             raise SamplingError(f"method {self.name!r} needs a SpeculativeGPT (base + draft); got "
                                 f"{type(model).__name__} — apply SpeculativeTransform or load a speculative checkpoint")
         alg = spec.spec_config.algorithm

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 from megatron.core import tensor_parallel
@@ -52,21 +52,41 @@ def cast_params(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module
 
 
-def unwrap(model: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside DDP / Float16 / Lightning wrappers."""
-    m = model
+def _wrapped_chain(model: torch.nn.Module, through_gpt: bool) -> Iterator[torch.nn.Module]:
+    """``model``, then what it wraps (``.module`` of DDP/Float16, ``.model`` of a LightningModule, and with
+    ``through_gpt`` the base ``.gpt`` of a SpeculativeGPT), at most 8 levels deep."""
+    m: Any = model
     for _ in range(8):
+        yield m
+        nxt = None
+        for attr in (("gpt", "module", "model") if through_gpt else ("module", "model")):
+            nxt = getattr(m, attr, None)
+            if isinstance(nxt, torch.nn.Module):
+                break
+        if not isinstance(nxt, torch.nn.Module) or nxt is m:
+            return
+        m = nxt
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16 / Lightning / SpeculativeGPT wrappers."""
+    for m in _wrapped_chain(model, through_gpt=True):
         if isinstance(m, GPTModel):
             return m
-        if hasattr(m, "gpt"):
-            m = m.gpt
-        elif hasattr(m, "module"):
-            m = m.module
-        elif hasattr(m, "model"):
-            m = m.model
-        else:
-            break
     raise TypeError(f"expected a megatron-core GPTModel (or a wrapper holding one), got {type(model).__name__}")
+
+
+def is_speculative(model: torch.nn.Module) -> bool:
+    """True for a SpeculativeGPT (a frozen base ``.gpt`` plus a draft and its ``spec_config``)."""
+    return hasattr(model, "spec_config") and hasattr(model, "gpt")
+
+
+def unwrap_speculative(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The SpeculativeGPT inside DDP / Float16 / Lightning wrappers, or None when there is none."""
+    for m in _wrapped_chain(model, through_gpt=False):
+        if is_speculative(m):
+            return m
+    return None
 
 
 def model_config(model: torch.nn.Module) -> ModelConfig:

@@ -12,7 +12,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ConfigError
+from nemo_spec.data.chat import load_tokenizer
 from nemo_spec.serve.batching import Batcher
 from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
 from nemo_spec.serve.config import ModelSpec
@@ -24,24 +26,6 @@ log = logging.getLogger(__name__)
 
 class ModelLoadError(RuntimeError):
     """A model named in the serve config could not be loaded (message names the model and path)."""
-
-
-def _resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    from nemo_spec.checkpoint.hf import resolve_dtype
-
-    return resolve_dtype(name)
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """A Hugging Face fast tokenizer from a local directory (no network)."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelLoadError(f"tokenizer directory {p} does not exist")
-    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
 
 
 def _model_max_len(model: torch.nn.Module) -> int:
@@ -125,7 +109,7 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
 
         log.info("loading model %r from %s", spec.name, spec.path)
         try:
-            model = load_model(spec.path, dtype=_resolve_dtype(spec.dtype))
+            model = load_model(spec.path, dtype=resolve_dtype(spec.dtype))
         except Exception as e:
             raise ModelLoadError(f"serve model {spec.name!r}: loading {spec.path} failed: {e}") from e
     if tokenizer is None:
@@ -137,14 +121,17 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
             tok_dir = str(found) if found else None
         if tok_dir is None:
             raise ModelLoadError(f"serve model {spec.name!r}: no tokenizer found in {spec.path}; set tokenizer=<dir>")
-        tokenizer = load_tokenizer(tok_dir)
+        try:
+            tokenizer = load_tokenizer(tok_dir)
+        except (OSError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"serve model {spec.name!r}: tokenizer {tok_dir}: {e}") from e
     if spec.method == "draft_model" and draft_model is None:
         from nemo_spec.checkpoint import load_model
 
         if not Path(str(spec.draft_path)).exists():
             raise ModelLoadError(f"serve model {spec.name!r}: draft_path {spec.draft_path} does not exist")
         draft_model = load_model(str(spec.draft_path))
-    dtype = _resolve_dtype(spec.dtype)
+    dtype = resolve_dtype(spec.dtype)
     model = model.to(dtype).eval()
     if draft_model is not None:
         draft_model = draft_model.to(dtype).eval()
