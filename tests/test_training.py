@@ -427,7 +427,10 @@ def test_eagle3_loss_matches_reference_formula(case, monkeypatch):
     """Row-range targets and the row-blocked soft CE give the reference loss, accuracies and draft gradients."""
     from nemo_spec.speculative import losses
 
+    from nemo_spec.speculative import eagle
+
     monkeypatch.setattr(losses, "_row_block", lambda vocab, device: 5)  # many row blocks, a ragged last one
+    monkeypatch.setattr(eagle, "TTT_BLOCK_ELEMENTS", 1)  # TTT attention in query blocks of 16 rows (16 + 5)
     torch.manual_seed(0)
     vd = None if case == "full_vocab" else 40
     m = SpeculativeTransform(algorithm="eagle3", ttt_steps=3, draft_vocab_size=vd)(build_gpt(tiny_llama()))
@@ -456,6 +459,31 @@ def test_eagle3_loss_matches_reference_formula(case, monkeypatch):
     assert torch.allclose(torch.stack(res["step_acc"]), torch.stack(ref_acc), atol=1e-7)
     for n, p in m.draft.named_parameters():
         assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7), (n, (p.grad - ref_grads[n]).abs().max())
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 64])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_ttt_attention_equals_the_masked_formulation(block, steps):
+    """Blocked, checkpointed TTT attention == SDPA over all steps' keys with the explicit ttt_mask (outputs and
+    gradients, fp32, GQA), without an [s, s] tensor."""
+    import torch.nn.functional as F
+
+    from nemo_spec.speculative.eagle import ttt_attention, ttt_mask
+
+    torch.manual_seed(steps * 100 + block)
+    b, h, g, s, d = 2, 4, 2, 19, 8
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    ks = [torch.randn(b, g, s, d, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(b, g, s, d, requires_grad=True) for _ in range(steps)]
+    w = torch.randn(b, h, s, d)
+    out = ttt_attention(q, ks, vs, scale=0.3, gqa=True, block=block)
+    grads = torch.autograd.grad((out * w).sum(), [q, *ks, *vs])
+    ref = F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), scale=0.3, enable_gqa=True,
+                                         attn_mask=ttt_mask(s, steps - 1, q.device)[None, None])
+    ref_grads = torch.autograd.grad((ref * w).sum(), [q, *ks, *vs])
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    for a, r in zip(grads, ref_grads):
+        assert torch.allclose(a, r, atol=1e-5), (a - r).abs().max()
 
 
 def test_eagle1_loss_matches_reference_formula(monkeypatch):

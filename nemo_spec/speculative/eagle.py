@@ -27,6 +27,7 @@ Token embeddings come from the frozen base embedding (not a draft parameter).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -55,11 +56,57 @@ log = logging.getLogger(__name__)
 class TTTContext(AttnContext):
     """Attention context for EAGLE-3 training-time test: keys/values of earlier unrolled steps are kept per layer.
 
-    Each draft step appends its keys/values to ``store[layer]`` and attends over the concatenation of all steps
-    so far, subject to ``mask`` [b, q, kv_total] (True = attend). Tensors keep their autograd history.
+    Each draft step appends its keys/values to ``store[layer]``. Unrolled step ``i`` attends causally over the
+    step-0 keys and, in every later step ``j <= i``, to its own position only (:func:`ttt_mask`). With
+    ``mask`` None (training) that pattern is computed by :func:`ttt_attention` without ever materialising an
+    ``[s, s]`` tensor; an explicit ``mask`` [b, q, kv_total] (True = attend) is applied as given (the reference
+    formulation). Tensors keep their autograd history.
     """
 
     store: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+#: queries x keys elements of one attention block in :func:`ttt_attention` (bounds its temporaries)
+TTT_BLOCK_ELEMENTS = 1 << 22
+
+
+def _ttt_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, kd: Tuple[torch.Tensor, ...],
+               vd: Tuple[torch.Tensor, ...], start: int, scale: float, gqa: bool) -> torch.Tensor:
+    """Attention of query rows ``[start, start + B)`` over step-0 keys ``[0, start + B)`` (causal) and the same
+    rows of the later steps' keys (their own position only)."""
+    n = q.shape[2]
+    end = start + n
+    keys = torch.cat([k0[:, :, :end]] + [k[:, :, start:end] for k in kd], dim=2)
+    vals = torch.cat([v0[:, :, :end]] + [v[:, :, start:end] for v in vd], dim=2)
+    causal = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    eye = torch.eye(n, dtype=torch.bool, device=q.device)
+    mask = torch.cat([causal] + [eye] * len(kd), dim=1)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], scale: float,
+                  gqa: bool, block: Optional[int] = None) -> torch.Tensor:
+    """The training-time-test attention of :func:`ttt_mask` with memory linear in the sequence length.
+
+    q [b, h, s, d]; ks/vs the keys/values of steps 0..i, each [b, g, s, d]. Step 0 alone is plain causal SDPA
+    (flash path, no mask). Later steps run in blocks of query rows, each recomputed in the backward pass
+    (activation checkpointing), so no ``[s, s]`` (or ``[s, s * steps]``) mask or probability tensor exists;
+    the largest temporary is one block's ``[b, h, B, <= s + i * B]`` scores.
+    """
+    if len(ks) == 1:
+        return F.scaled_dot_product_attention(q, ks[0], vs[0], is_causal=True, scale=scale, enable_gqa=gqa)
+    s = q.shape[2]
+    if block is None:
+        block = max(16, TTT_BLOCK_ELEMENTS // max(1, s * q.shape[1] * q.shape[0]))
+    kd, vd = tuple(ks[1:]), tuple(vs[1:])
+    if block >= s:
+        return _ttt_block(q, ks[0], vs[0], kd, vd, 0, scale, gqa)
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for a in range(0, s, block):
+        fn = functools.partial(_ttt_block, start=a, scale=scale, gqa=gqa)
+        outs.append(checkpoint(fn, q[:, :, a:a + block], ks[0], vs[0], kd, vd, use_reentrant=False))
+    return torch.cat(outs, dim=2)
 
 
 class DraftCoreAttention(SDPACoreAttention):
@@ -80,10 +127,14 @@ class DraftCoreAttention(SDPACoreAttention):
             k = apply_rope(k, ctx.position_ids, self.inv_freq)
         steps = ctx.store.setdefault(self.layer_number - 1, [])
         steps.append((k, v))
-        k_all = torch.cat([s[0] for s in steps], dim=2)
-        v_all = torch.cat([s[1] for s in steps], dim=2)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask[:, None], scale=self.scale,
-                                             enable_gqa=self.heads != self.groups)
+        gqa = self.heads != self.groups
+        if ctx.mask is None:
+            out = ttt_attention(q, [st[0] for st in steps], [st[1] for st in steps], self.scale, gqa)
+        else:
+            k_all = torch.cat([st[0] for st in steps], dim=2)
+            v_all = torch.cat([st[1] for st in steps], dim=2)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask[:, None], scale=self.scale,
+                                                 enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
 

@@ -13,13 +13,13 @@ so the losses are identical on every TP rank and correct for vocab-parallel outp
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from nemo_spec.models.gpt import GPTOutput, gpt_forward
-from nemo_spec.speculative.eagle import TTTContext, ttt_mask
+from nemo_spec.models.gpt import GPTOutput, gather_vocab, gpt_forward, model_config, output_logits
+from nemo_spec.speculative.eagle import TTTContext
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -108,10 +108,31 @@ def shift_left(x: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
     return out
 
 
-def base_outputs(model, input_ids: torch.Tensor) -> GPTOutput:
-    """Frozen base forward (no grad) with the auxiliary layers the draft needs and gathered logits."""
+def base_outputs(model, input_ids: torch.Tensor, compute_logits: bool = True) -> GPTOutput:
+    """Frozen base forward (no grad, causal attention without an explicit mask) with the auxiliary layers the
+    draft needs and, with ``compute_logits``, gathered full-vocabulary logits for every position."""
     with torch.no_grad():
-        return gpt_forward(model.gpt, input_ids, aux_layers=model.aux_layers, compute_logits=True, gather=True)
+        return gpt_forward(model.gpt, input_ids, aux_layers=model.aux_layers, compute_logits=compute_logits,
+                           gather=True)
+
+
+def _base_logit_rows(model, out: GPTOutput) -> Tuple[Callable[[int, int], torch.Tensor], int, int]:
+    """(rows(a, z) -> gathered base logits of [s, b]-ordered rows a..z, number of rows, vocab size): from
+    ``out.logits`` when they exist, else computed from the final hidden states one row block at a time, so the
+    full-vocabulary logits never exist for the whole sequence at once."""
+    if out.logits is not None:
+        logits = out.logits.detach().transpose(0, 1)  # [s, b, V]: gpt_forward's own memory layout
+        rows = logits.reshape(-1, logits.shape[-1])
+        return (lambda a, z: rows[a:z]), rows.shape[0], rows.shape[1]
+    hidden = out.hidden.detach().transpose(0, 1)
+    hid = hidden.reshape(-1, 1, hidden.shape[-1])
+    vocab = model_config(model.gpt).vocab_size
+
+    def rows_from_hidden(a: int, z: int) -> torch.Tensor:
+        with torch.no_grad():
+            return gather_vocab(output_logits(model.gpt, hid[a:z]))[:, 0]
+
+    return rows_from_hidden, hid.shape[0], vocab
 
 
 def _softmax_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -161,18 +182,18 @@ def eagle3_targets(model, out: GPTOutput) -> Tuple[torch.Tensor, torch.Tensor, O
     """EAGLE-3 targets in [s, b] row order: the base's distribution over the draft vocabulary [s, b, Vd] (fp32), its
     argmax [s, b] (draft ids), and whether the base's top token over the full vocabulary is in the draft vocabulary
     [s, b] (None when the draft vocabulary is the whole base vocabulary in base order: always)."""
-    logits = out.logits.detach().transpose(0, 1)  # [s, b, V]: gpt_forward's own memory layout
-    s, b, v = logits.shape
-    rows = logits.reshape(s * b, v)
-    ids = model.draft_vocab_ids().to(logits.device)
+    b, s = out.hidden.shape[:2]
+    dev = out.hidden.device
+    rows, n_rows, v = _base_logit_rows(model, out)
+    ids = model.draft_vocab_ids().to(dev)
     identity = ids.numel() == v and not bool(model.d2t.any())
-    t2d = None if identity else model.draft_vocab_mask().to(logits.device)
-    probs = torch.empty(s * b, ids.numel(), dtype=torch.float32, device=logits.device)
-    top = torch.empty(s * b, dtype=torch.long, device=logits.device)
-    in_vocab = None if identity else torch.empty(s * b, dtype=torch.bool, device=logits.device)
-    step = _row_block(v, logits.device)
-    for a in range(0, s * b, step):  # row blocks: one read of the base logits, no full-size temporaries
-        z = rows[a:a + step]
+    t2d = None if identity else model.draft_vocab_mask().to(dev)
+    probs = torch.empty(s * b, ids.numel(), dtype=torch.float32, device=dev)
+    top = torch.empty(s * b, dtype=torch.long, device=dev)
+    in_vocab = None if identity else torch.empty(s * b, dtype=torch.bool, device=dev)
+    step = _row_block(v, dev)
+    for a in range(0, s * b, step):  # row blocks: one read (or one computation) of the base logits
+        z = rows(a, a + step)
         if not identity:
             in_vocab[a:a + step] = t2d[z.argmax(-1)]
             z = z.index_select(-1, ids)
@@ -202,7 +223,7 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     step_logits: List[torch.Tensor] = []
     for i in range(ttt_steps):
         ctx.position_ids = (torch.arange(s, device=input_ids.device) + i)[None].expand(b, s)
-        ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
+        # ctx.mask stays None: the draft attends in the ttt_mask pattern without materialising it
         tokens = shift_left(input_ids, 1 + i)
         hidden, logits = model.draft_step(tokens, hidden, ctx)
         n = max(0, s - 2 - i)  # rows t whose predicted token t + 2 + i exists
@@ -220,7 +241,9 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
             step_logits.append(logits)
     res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
     if return_logits:
-        res.update(base_logits=out.logits.detach(), step_logits=step_logits)
+        base_logits = out.logits if out.logits is not None else (
+            _base_logit_rows(model, out)[0](0, s * b).view(s, b, -1).transpose(0, 1))
+        res.update(base_logits=base_logits.detach(), step_logits=step_logits)
     return res
 
 

@@ -196,7 +196,10 @@ class SpeculativeGPT(MegatronModule):
             loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if loss_mask.shape != input_ids.shape:
             raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        out = base_out if base_out is not None else losses.base_outputs(self, input_ids)
+        # EAGLE-3 needs the base logits only row block by row block (eagle3_targets computes them from the
+        # final hidden states), so the [b, s, V] tensor is not built for it
+        out = base_out if base_out is not None else losses.base_outputs(
+            self, input_ids, compute_logits=self.algorithm != "eagle3")
         if self.algorithm == "eagle1":
             return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
                                         return_logits=return_logits)
