@@ -1,0 +1,344 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): a model-free tree proposer over depth-limited suffix tries.
+
+Two structures feed the proposer:
+
+* a per-request :class:`SuffixTrie` over the request's prompt + accepted tokens, extended incrementally by
+  :class:`TrieCursor` (O(``max_depth``) work per appended token, never rebuilt);
+* an optional per-model :class:`SuffixStore`: one trie over recent completed outputs (bounded by a number of
+  outputs, least recently added evicted first; an output produced again is refreshed), learned from every
+  finished ``generate()`` call that enables it (in the server: from the served responses).
+
+A trie node is one substring of length <= ``max_depth`` with its occurrence count and a suffix link (the
+node of the same string minus its first token). Each step the proposer takes, in each trie, the longest
+suffix of the context that occurred before with a continuation, and grows a candidate tree from it best
+first by the continuation's empirical probability (product of child count / sibling count), with a node
+budget ``ceil(spec_factor * match_len)`` capped at ``num_draft_tokens`` and nodes under ``min_token_prob``
+left out; a path that reaches the depth limit continues through the suffix link. The tree with the larger
+expected accepted length (sum of node probabilities) is verified by the engine's tree machinery as
+deterministic candidates (one-hot q), which keeps sampling lossless.
+"""
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_spec.inference.engine import BatchState, DraftTree, Engine
+from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.speculative import ARProposer, _opt_float, _opt_int
+from nemo_spec.inference.trees import pad_chains
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_DEPTH = 24
+DEFAULT_NUM_DRAFT_TOKENS = 16
+DEFAULT_SPEC_FACTOR = 1.0
+DEFAULT_MIN_TOKEN_PROB = 0.1
+
+
+class TrieNode:
+    """One substring: occurrence count, children by next token, suffix link (same string minus its first token)."""
+
+    __slots__ = ("count", "children", "link")
+
+    def __init__(self, link: Optional["TrieNode"]) -> None:
+        self.count = 0
+        self.children: Dict[int, TrieNode] = {}
+        self.link = link
+
+
+class SuffixTrie:
+    """Every substring of length <= ``max_depth`` of the inserted sequences, with occurrence counts."""
+
+    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 2:
+            raise SamplingError(f"suffix trie max_depth must be an int >= 2, got {max_depth!r}")
+        self.max_depth = max_depth
+        self.root = TrieNode(None)
+        self.root.link = self.root
+
+    def add(self, seq: Sequence[int]) -> None:
+        """Insert one sequence (all its substrings up to ``max_depth``)."""
+        TrieCursor(self, grow=True).extend(seq)
+
+    def remove(self, seq: Sequence[int]) -> None:
+        """Remove one previously added sequence; nodes whose count drops to 0 are deleted."""
+        D = self.max_depth
+        active = [self.root]
+        for t in seq:
+            nxt = [self.root]
+            for node in active[:D]:
+                child = node.children.get(t)
+                if child is None:
+                    raise SamplingError("SuffixTrie.remove: sequence was not added to this trie")
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                nxt.append(child)
+            active = nxt
+
+    def num_nodes(self) -> int:
+        """Nodes below the root."""
+        n, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            n += len(node.children)
+            stack.extend(node.children.values())
+        return n
+
+    def as_dict(self) -> Dict[Tuple[int, ...], int]:
+        """{substring: count} of every node (for tests and debugging)."""
+        out: Dict[Tuple[int, ...], int] = {}
+        stack: List[Tuple[Tuple[int, ...], TrieNode]] = [((), self.root)]
+        while stack:
+            path, node = stack.pop()
+            for t, c in node.children.items():
+                out[path + (t,)] = c.count
+                stack.append((path + (t,), c))
+        return out
+
+
+class TrieCursor:
+    """The trie nodes of the current context's suffixes (lengths 0..max_depth), updated as tokens arrive.
+
+    With ``grow`` the context is inserted into the trie as it grows (the per-request trie); without it the
+    cursor only follows what the trie already holds (matching a request against the global store), and its
+    suffixes stop at the longest one the trie contains.
+    """
+
+    def __init__(self, trie: SuffixTrie, grow: bool) -> None:
+        self.trie = trie
+        self.grow = grow
+        self.active: List[TrieNode] = [trie.root]  # active[k]: node of the last k tokens
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the context (O(max_depth) each)."""
+        D = self.trie.max_depth
+        root = self.trie.root
+        active = self.active
+        for t in tokens:
+            nxt = [root]
+            if self.grow:
+                for node in active[:D]:
+                    child = node.children.get(t)
+                    if child is None:
+                        child = node.children[t] = TrieNode(nxt[-1])
+                    child.count += 1
+                    nxt.append(child)
+            else:
+                for node in active[:D]:
+                    child = node.children.get(t)
+                    if child is None:
+                        break  # a longer suffix cannot be present when this one is not
+                    nxt.append(child)
+            active = nxt
+        self.active = active
+
+    def match(self) -> Tuple[int, Optional[TrieNode]]:
+        """Longest context suffix (up to max_depth - 1 tokens) seen before with a continuation: (length, node)."""
+        act = self.active
+        for k in range(min(len(act) - 1, self.trie.max_depth - 1), 0, -1):
+            if act[k].children:
+                return k, act[k]
+        return 0, None
+
+
+def expand(node: TrieNode, depth: int, max_depth: int, budget: int,
+           min_prob: float) -> Tuple[List[int], List[int], float]:
+    """Best-first candidate tree of at most ``budget`` nodes below ``node`` (a context suffix of ``depth`` tokens).
+
+    Returns (tokens, parents as block indices with 0 = the root, score = sum of node probabilities). A
+    node's probability is the product along its path of child count / total count of the siblings; nodes
+    under ``min_prob`` are left out. Parents come before children, siblings in decreasing probability.
+    """
+    tokens: List[int] = []
+    parents: List[int] = []
+    score = 0.0
+    heap: List[Tuple[float, int, int, TrieNode, int, int]] = []
+    order = itertools.count()
+
+    def push(src: TrieNode, d: int, prob: float, block: int) -> None:
+        if d >= max_depth:  # depth limit: continue from the same context minus its first token
+            src, d = src.link, d - 1
+        kids = src.children
+        if not kids:
+            return
+        total = sum(c.count for c in kids.values())
+        for t, c in kids.items():
+            p = prob * c.count / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, next(order), t, c, d + 1, block))
+
+    push(node, depth, 1.0, 0)
+    while heap and len(tokens) < budget:
+        negp, _, t, child, d, parent = heapq.heappop(heap)
+        tokens.append(t)
+        parents.append(parent)
+        score -= negp
+        push(child, d, -negp, len(tokens))
+    return tokens, parents, score
+
+
+def node_budget(match_len: int, spec_factor: float, cap: int) -> int:
+    """Draft nodes allowed for a match of ``match_len`` tokens: ceil(spec_factor * match_len), at most cap."""
+    return max(0, min(cap, math.ceil(spec_factor * match_len - 1e-9)))
+
+
+class SuffixStore:
+    """Global suffix trie over recent completed outputs: at most ``capacity`` outputs, least recently added evicted."""
+
+    def __init__(self, capacity: int, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.capacity = 0
+        self.outputs: "OrderedDict[Tuple[int, ...], None]" = OrderedDict()
+        self.lock = threading.RLock()
+        self.resize(capacity)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def resize(self, capacity: int) -> None:
+        """Change the bound (evicting the oldest outputs beyond it)."""
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise SamplingError(f"suffix store capacity must be an int >= 1, got {capacity!r}")
+        with self.lock:
+            self.capacity = capacity
+            self._evict()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Learn one completed output (an identical output already held is only refreshed)."""
+        key = tuple(int(t) for t in tokens)
+        if not key:
+            return
+        with self.lock:
+            if key in self.outputs:
+                self.outputs.move_to_end(key)
+                return
+            self.trie.add(key)
+            self.outputs[key] = None
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self.outputs) > self.capacity:
+            old, _ = self.outputs.popitem(last=False)
+            self.trie.remove(old)
+
+    def clear(self) -> None:
+        """Forget every output."""
+        with self.lock:
+            self.trie = SuffixTrie(self.trie.max_depth)
+            self.outputs.clear()
+
+
+_STORES: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, SuffixStore]]" = weakref.WeakKeyDictionary()
+_STORES_LOCK = threading.Lock()
+
+
+def global_store(model: torch.nn.Module, capacity: int, max_depth: int = DEFAULT_MAX_DEPTH) -> SuffixStore:
+    """The global suffix store of ``model`` (one per trie depth), resized to ``capacity`` outputs."""
+    with _STORES_LOCK:
+        by_depth = _STORES.setdefault(model, {})
+        store = by_depth.get(max_depth)
+        if store is None:
+            store = by_depth[max_depth] = SuffixStore(capacity, max_depth)
+            return store
+    if store.capacity != capacity:
+        store.resize(capacity)
+    return store
+
+
+def _opt_bool(options: Dict[str, Any], key: str, default: bool) -> bool:
+    v = options.get(key, default)
+    if not isinstance(v, bool):
+        raise SamplingError(f"option {key!r} must be true or false, got {v!r}")
+    return v
+
+
+class SuffixProposer(ARProposer):
+    """Suffix decoding: frequency-scored candidate trees from the request's own suffix trie and the model's global one."""
+
+    name = "suffix"
+
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
+        self.cap = _opt_int(options, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
+        self.max_depth = _opt_int(options, "max_depth", DEFAULT_MAX_DEPTH, lo=2)
+        self.spec_factor = _opt_float(options, "spec_factor", DEFAULT_SPEC_FACTOR)
+        p = options.get("min_token_prob", DEFAULT_MIN_TOKEN_PROB)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise SamplingError(f"option 'min_token_prob' must be a number in [0, 1], got {p!r}")
+        self.min_prob = float(p)
+        self.global_capacity = _opt_int(options, "global_cache", 0, lo=0)
+        self.global_update = _opt_bool(options, "global_update", True)
+        self.lookahead = self.cap
+        self.store = global_store(model, self.global_capacity, self.max_depth) if self.global_capacity else None
+        self.prefill_s = 0.0  # time spent building the prompt tries
+        self.propose_s = 0.0  # time spent proposing (trie updates + tree building)
+        self.steps = 0
+        self.learned = False
+
+    def prefill(self, eng: Engine, st: BatchState, tokens, lens, out, need) -> None:
+        """Build each row's trie from its prompt and place it on the global store's trie."""
+        t0 = time.perf_counter()
+        self.st = st
+        self.local = [TrieCursor(SuffixTrie(self.max_depth), grow=True) for _ in range(st.b)]
+        self.seen = [0] * st.b
+        self.glob: List[Optional[TrieCursor]] = [None] * st.b
+        if self.store is not None:
+            with self.store.lock:
+                for r, seq in enumerate(st.seqs):
+                    cur = TrieCursor(self.store.trie, grow=False)
+                    cur.extend(seq[-self.max_depth:])  # only the last max_depth tokens can be matched
+                    self.glob[r] = cur
+        for r, seq in enumerate(st.seqs):
+            self.local[r].extend(seq)
+            self.seen[r] = len(seq)
+        self.prefill_s += time.perf_counter() - t0
+
+    def draft(self, r: int) -> Tuple[List[int], List[int]]:
+        """Sync row r's cursors with its sequence, then the best candidate tree: (tokens, parents)."""
+        seq = self.st.seqs[r]
+        new = seq[self.seen[r]:]
+        self.seen[r] = len(seq)
+        best: Tuple[List[int], List[int], float] = ([], [], 0.0)
+        for cur in (self.local[r], self.glob[r]):
+            if cur is None:
+                continue
+            with self.store.lock if cur is self.glob[r] else contextlib.nullcontext():
+                if new:
+                    cur.extend(new)
+                m, node = cur.match()
+                budget = node_budget(m, self.spec_factor, self.cap)
+                if node is None or budget == 0:
+                    continue
+                cand = expand(node, m, self.max_depth, budget, self.min_prob)
+            if cand[2] > best[2]:
+                best = cand
+        return best[0], best[1]
+
+    def propose(self, eng: Engine, st: BatchState) -> DraftTree:
+        """A frequency-scored candidate tree per active row (ragged, deterministic candidates)."""
+        t0 = time.perf_counter()
+        act = st.active
+        trees = [self.draft(r) if act[r] else ([], []) for r in range(st.b)]
+        tok, val = pad_chains([t for t, _ in trees], device=eng.device)
+        par, _ = pad_chains([p for _, p in trees], n=tok.shape[1], device=eng.device)
+        self.propose_s += time.perf_counter() - t0
+        self.steps += 1
+        return DraftTree(tok, par, val)
+
+    def retire(self, r: int) -> None:
+        """When the call's last row finishes, the global store learns every row's output."""
+        if self.store is None or not self.global_update or self.learned or self.st.active_rows():
+            return
+        self.learned = True
+        for out in self.st.out:
+            self.store.add(out)
