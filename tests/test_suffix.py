@@ -239,3 +239,34 @@ def test_server_learns_from_served_responses(tmp_path):
         assert len(store) == 1 and tok.decode(list(store.outputs)[0]) == r1["choices"][0]["text"]
         r2 = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
     assert r2["choices"][0]["text"] == r1["choices"][0]["text"]
+
+
+# ------------------------------------------------------------------------------------------------ cost, benchmark
+
+def test_replay_reproduces_the_generation_steps(llama):
+    from nemo_spec.inference.suffix import replay_cost
+
+    m, ref = llama
+    outs = generate(m, PROMPTS, SamplingParams(max_new_tokens=24), method="suffix", options={"ignore_eos": True})
+    cost = replay_cost(m, PROMPTS, [o.tokens for o in outs])
+    assert cost["steps"] == sum(o.stats["target_forwards"] - 1 for o in outs)  # one proposal per verification
+    assert cost["propose_ms_per_step"] > 0 and cost["prefill_s"] > 0
+
+
+def test_benchmark_rows_for_suffix_and_warmed_global_store(llama, tmp_path):
+    from nemo_spec.inference import benchmark as bench
+
+    m, _ = llama
+    res = bench.benchmark(m, PROMPTS[:2], methods=["prompt_lookup", "suffix"], batch_sizes=(1,), max_new_tokens=8,
+                          hf=False, repeats=1, suffix_options={"num_draft_tokens": 4}, warm_prompts=PROMPTS[2:])
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"ar", "prompt_lookup", "suffix", "suffix_global"}
+    assert all(r["matches_ar"] == 1.0 for r in rows.values())
+    assert rows["suffix_global"]["options"]["global_update"] is False
+    assert len(global_store(m, bench.BENCH_GLOBAL_CACHE)) == 2  # learned the two warm prompts' outputs only
+    for name in ("suffix", "suffix_global"):
+        assert rows[name]["propose_ms_per_step"] > 0 and rows[name]["step_ms"] > 0
+    names = {t["name"] for t in res["targets"]}
+    assert {"suffix tokens/s vs our prompt_lookup", "suffix_global proposal time per step / our AR decode step"} <= names
+    md = bench.to_markdown(res)
+    assert "| nemo_spec | suffix_global | 1 |" in md and "proposal time per step / our AR decode step <= 0.1" in md

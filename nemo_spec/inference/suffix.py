@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+import types
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -33,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_spec.inference.engine import BatchState, DraftTree, Engine
-from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.inference.speculative import ARProposer, _opt_float, _opt_int
 from nemo_spec.inference.trees import pad_chains
 
@@ -287,32 +288,38 @@ class SuffixProposer(ARProposer):
 
     def prefill(self, eng: Engine, st: BatchState, tokens, lens, out, need) -> None:
         """Build each row's trie from its prompt and place it on the global store's trie."""
-        t0 = time.perf_counter()
         self.st = st
-        self.local = [TrieCursor(SuffixTrie(self.max_depth), grow=True) for _ in range(st.b)]
-        self.seen = [0] * st.b
-        self.glob: List[Optional[TrieCursor]] = [None] * st.b
+        self.start(st.seqs)
+
+    def start(self, seqs: List[List[int]]) -> None:
+        """Index the given (growing) sequences: a new trie each, and a cursor on the global store's trie."""
+        t0 = time.perf_counter()
+        self.seqs = seqs
+        self.local = [TrieCursor(SuffixTrie(self.max_depth), grow=True) for _ in seqs]
+        self.seen = [0] * len(seqs)
+        self.glob: List[Optional[TrieCursor]] = [None] * len(seqs)
         if self.store is not None:
             with self.store.lock:
-                for r, seq in enumerate(st.seqs):
+                for r, seq in enumerate(seqs):
                     cur = TrieCursor(self.store.trie, grow=False)
                     cur.extend(seq[-self.max_depth:])  # only the last max_depth tokens can be matched
                     self.glob[r] = cur
-        for r, seq in enumerate(st.seqs):
+        for r, seq in enumerate(seqs):
             self.local[r].extend(seq)
             self.seen[r] = len(seq)
         self.prefill_s += time.perf_counter() - t0
 
     def draft(self, r: int) -> Tuple[List[int], List[int]]:
         """Sync row r's cursors with its sequence, then the best candidate tree: (tokens, parents)."""
-        seq = self.st.seqs[r]
+        seq = self.seqs[r]
         new = seq[self.seen[r]:]
         self.seen[r] = len(seq)
         best: Tuple[List[int], List[int], float] = ([], [], 0.0)
         for cur in (self.local[r], self.glob[r]):
             if cur is None:
                 continue
-            with self.store.lock if cur is self.glob[r] else contextlib.nullcontext():
+            lock = self.store.lock if self.store is not None and cur is self.glob[r] else contextlib.nullcontext()
+            with lock:
                 if new:
                     cur.extend(new)
                 m, node = cur.match()
@@ -342,3 +349,40 @@ class SuffixProposer(ARProposer):
         self.learned = True
         for out in self.st.out:
             self.store.add(out)
+
+
+def replay_cost(model: torch.nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                options: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """Time the suffix proposer on known greedy outputs, step for step as generation ran (no model forwards).
+
+    A greedy step accepts the longest tree path that the output continues, plus one token, so replaying the
+    outputs reproduces generation's steps exactly. Returns steps, total/mean proposal seconds and prompt
+    indexing seconds. With ``global_cache`` the model's global store is read, never updated.
+    """
+    opts = {**(options or {}), "global_update": False}
+    prop = SuffixProposer(model, opts)
+    eng = types.SimpleNamespace(device=torch.device("cpu"))
+    steps = 0
+    for prompt, out in zip(prompts, outputs):
+        if not out:
+            continue
+        st = BatchState([list(prompt)], [SamplingParams()], max_pos=len(prompt) + len(out) + 1)
+        st.seqs[0].append(int(out[0]))  # the first token comes from the prefill, before any proposal
+        prop.prefill(eng, st, None, None, None, None)
+        pos = 1
+        while pos < len(out):
+            tree = prop.propose(eng, st)  # timed inside
+            steps += 1
+            node, acc = 0, 0
+            kids: Dict[int, Dict[int, int]] = {}
+            for i, (t, p, ok) in enumerate(zip(tree.tokens[0].tolist(), tree.parents[0].tolist(),
+                                               tree.valid[0].tolist())):
+                if ok:
+                    kids.setdefault(p, {}).setdefault(t, i + 1)
+            while pos + acc < len(out) and int(out[pos + acc]) in kids.get(node, {}):
+                node = kids[node][int(out[pos + acc])]
+                acc += 1
+            st.seqs[0].extend(int(t) for t in out[pos: pos + acc + 1])
+            pos += acc + 1
+    return {"steps": steps, "propose_s": prop.propose_s, "propose_ms_per_step": 1e3 * prop.propose_s / max(steps, 1),
+            "prefill_s": prop.prefill_s}
