@@ -31,15 +31,14 @@ def _substring_counts(seqs, depth):
 
 
 def _node(trie, path):
-    node = trie.root
-    for t in path:
-        node = node.children[t]
+    node = trie.node(path)
+    assert node is not None, path
     return node
 
 
 def _check_links(trie):
     for path in trie.as_dict():
-        assert _node(trie, path).link is _node(trie, path[1:]), path
+        assert trie.link[_node(trie, path)] == _node(trie, path[1:]), path
 
 
 # ------------------------------------------------------------------------------------------------ structures
@@ -61,7 +60,7 @@ def test_incremental_updates_equal_a_rebuild():
         # the cursor holds the trie node of every context suffix up to the depth
         assert [len(cur.active)] == [depth + 1]
         for k, node in enumerate(cur.active):
-            assert node is _node(cur.trie, seq[len(seq) - k:] if k else [])
+            assert node == _node(cur.trie, seq[len(seq) - k:] if k else [])
 
 
 def test_store_eviction_bound_and_refresh():
@@ -74,6 +73,9 @@ def test_store_eviction_bound_and_refresh():
         kept = outs[max(0, i - 2): i + 1]
         assert store.trie.as_dict() == _substring_counts(kept, 4)  # evicted outputs leave no trace
     _check_links(store.trie)
+    # ids of evicted nodes are reused: the arrays never outgrow the peak (4 outputs, just before an eviction)
+    peak = max(len(_substring_counts(outs[max(0, i - 3): i + 1], 4)) for i in range(len(outs)))
+    assert store.trie.num_nodes() == len(store.trie.as_dict()) and len(store.trie.count) <= peak + 1
     store.add(outs[-3])  # already held: refreshed, so the next add evicts outs[-2] instead
     store.add([9, 9, 9])
     assert list(store.outputs) == [tuple(outs[-1]), tuple(outs[-3]), (9, 9, 9)]
@@ -105,13 +107,13 @@ def test_local_match_skips_the_current_occurrence_and_scores_by_frequency():
     cur = TrieCursor(SuffixTrie(8), grow=True)
     cur.extend(seq)
     m, node = cur.match()
-    assert m == 2 and node is _node(cur.trie, [1, 2])  # [7, 1, 2] occurs only at the end
-    tokens, parents, score = expand(node, m, 8, budget=4, min_prob=0.0)
+    assert m == 2 and node == _node(cur.trie, [1, 2])  # [7, 1, 2] occurs only at the end
+    tokens, parents, score = expand(cur.trie, node, m, budget=4, min_prob=0.0)
     # after [1, 2]: 3 twice, 4 once; after [1, 2, 3]: 9 once and 7 once; after [1, 2, 4]: 1
     assert tokens[:2] == [3, 4] and parents[:2] == [0, 0]
     assert sorted(zip(tokens[2:], parents[2:])) == [(7, 1), (9, 1)]
     assert score == pytest.approx(2 / 3 + 1 / 3 + 1 / 3 + 1 / 3)
-    tokens, parents, score = expand(node, m, 8, budget=4, min_prob=0.5)
+    tokens, parents, score = expand(cur.trie, node, m, budget=4, min_prob=0.5)
     assert (tokens, parents) == ([3], [0]) and score == pytest.approx(2 / 3)
 
 
@@ -121,7 +123,7 @@ def test_depth_limit_continues_through_suffix_links():
     cur.extend(seq)
     m, node = cur.match()
     assert m == 2
-    tokens, parents, _ = expand(node, m, 3, budget=10, min_prob=0.1)
+    tokens, parents, _ = expand(cur.trie, node, m, budget=10, min_prob=0.1)
     # a chain far deeper than the trie; past the end of the data the last 2 tokens predict again (period 8)
     assert tokens == [3, 4, 5, 6, 7, 8, 1, 2, 3, 4] and parents == list(range(10))
 
@@ -270,3 +272,42 @@ def test_benchmark_rows_for_suffix_and_warmed_global_store(llama, tmp_path):
     assert {"suffix tokens/s vs our prompt_lookup", "suffix_global proposal time per step / our AR decode step"} <= names
     md = bench.to_markdown(res)
     assert "| nemo_spec | suffix_global | 1 |" in md and "proposal time per step / our AR decode step <= 0.1" in md
+
+
+def test_a_repetition_is_drafted_past_its_own_latest_period():
+    """The longest match of a loop ends one period before the end; the tree backs off and keeps the loop going."""
+    cur = TrieCursor(SuffixTrie(24), grow=True)
+    cur.extend([9, 8] + [5, 6, 7] * 4)
+    m, node = cur.match()
+    assert m == 9  # [5, 6, 7] * 3 occurred once before, followed by 5
+    tokens, parents, score = expand(cur.trie, node, m, budget=8, min_prob=0.1)
+    assert tokens == [5, 6, 7, 5, 6, 7, 5, 6] and parents == list(range(8)) and score == pytest.approx(8.0)
+
+
+def test_cli_suffix_flags(tmp_path):
+    import io
+    import json
+
+    from nemo_spec.checkpoint.hf import export_hf
+    from nemo_spec.inference import cli
+    from tests.serve_utils import tiny_model, train_tokenizer
+
+    args = cli.build_parser().parse_args(["--model", "x", "--method", "suffix", "--num-draft-tokens", "8",
+                                          "--max-depth", "12", "--spec-factor", "2", "--min-token-prob", "0.2",
+                                          "--global-cache", "16", "p"])
+    assert cli.options_from_args(args) == {"num_draft_tokens": 8, "max_depth": 12, "spec_factor": 2.0,
+                                           "min_token_prob": 0.2, "global_cache": 16}
+    tok = train_tokenizer(tmp_path / "tok")
+    path = export_hf(tiny_model(tok), tmp_path / "hf", tokenizer_dir=tmp_path / "tok")
+    stats = tmp_path / "stats.json"
+    argv = ["--model", str(path), "-", "--max-new-tokens", "12", "--ignore-eos", "--batch-size", "1",
+            "--stats-json", str(stats)]
+    out = io.StringIO()
+    assert cli.main(argv + ["--method", "suffix", "--global-cache", "4"], stdin=io.StringIO("the cat\nthe cat\n"),
+                    stdout=out, stderr=io.StringIO()) == 0
+    got = json.loads(stats.read_text())
+    assert cli.main(argv, stdin=io.StringIO("the cat\n"), stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    ref = json.loads(stats.read_text())[0]["tokens"]
+    assert [r["tokens"] for r in got] == [ref, ref] and [r["stats"]["method"] for r in got] == ["suffix"] * 2
+    # the second prompt drafts from the first one's output, learned by the global store
+    assert got[1]["stats"]["target_forwards"] < got[0]["stats"]["target_forwards"]

@@ -28,6 +28,7 @@ import threading
 import time
 import types
 import weakref
+from array import array
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -40,72 +41,131 @@ from nemo_spec.inference.trees import pad_chains
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_DEPTH = 24
-DEFAULT_NUM_DRAFT_TOKENS = 16
-DEFAULT_SPEC_FACTOR = 1.0
+# Defaults measured on held-out code prompts other than the benchmark's (built-in small base, 2-core CPU,
+# batch 1): verifying a few more nodes costs little next to a decode step, so the node budget grows fast
+# (4 nodes per matched token) up to 24; a trie deeper than 16 matched no more but cost more to build.
+DEFAULT_MAX_DEPTH = 16
+DEFAULT_NUM_DRAFT_TOKENS = 24
+DEFAULT_SPEC_FACTOR = 4.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
-class TrieNode:
-    """One substring: occurrence count, children by next token, suffix link (same string minus its first token)."""
-
-    __slots__ = ("count", "children", "link")
-
-    def __init__(self, link: Optional["TrieNode"]) -> None:
-        self.count = 0
-        self.children: Dict[int, TrieNode] = {}
-        self.link = link
-
-
 class SuffixTrie:
-    """Every substring of length <= ``max_depth`` of the inserted sequences, with occurrence counts."""
+    """Every substring of length <= ``max_depth`` of the inserted sequences, with occurrence counts.
+
+    Nodes are integer ids (0 = the root, the empty string) into flat arrays — occurrence count, suffix link
+    (the node of the same string minus its first token), token, first child, next sibling — and one dict
+    maps (node, token) to the child. No Python object per node: building a prompt's trie does not feed the
+    cyclic garbage collector (which, with a large heap such as torch's, costs several times the build).
+    Ids of deleted nodes are reused, so the arrays never outgrow the most nodes held at once.
+    """
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
         if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 2:
             raise SamplingError(f"suffix trie max_depth must be an int >= 2, got {max_depth!r}")
         self.max_depth = max_depth
-        self.root = TrieNode(None)
-        self.root.link = self.root
+        self.edges: Dict[int, int] = {}  # (node << _SHIFT) | token -> child
+        self.count = array("q", [0])
+        self.link = array("q", [0])
+        self.token = array("q", [-1])
+        self.first = array("q", [-1])
+        self.next = array("q", [-1])
+        self.free: List[int] = []
+        self.size = 1  # live nodes, root included
+
+    def new_node(self, parent: int, token: int, link: int) -> int:
+        """Create the child ``token`` of ``parent`` (count 0) whose suffix link is ``link``; returns its id."""
+        if self.free:
+            c = self.free.pop()
+            self.count[c], self.link[c], self.token[c], self.first[c] = 0, link, token, -1
+        else:
+            c = len(self.count)
+            self.count.append(0)
+            self.link.append(link)
+            self.token.append(token)
+            self.first.append(-1)
+            self.next.append(-1)
+        self.next[c] = self.first[parent]
+        self.first[parent] = c
+        self.edges[(parent << _SHIFT) | token] = c
+        self.size += 1
+        return c
+
+    def child(self, node: int, token: int) -> Optional[int]:
+        """The child of ``node`` by ``token`` (None if absent)."""
+        return self.edges.get((node << _SHIFT) | token)
+
+    def children(self, node: int) -> List[int]:
+        """Child ids of ``node``."""
+        out, c, nxt = [], self.first[node], self.next
+        while c != -1:
+            out.append(c)
+            c = nxt[c]
+        return out
 
     def add(self, seq: Sequence[int]) -> None:
         """Insert one sequence (all its substrings up to ``max_depth``)."""
         TrieCursor(self, grow=True).extend(seq)
 
     def remove(self, seq: Sequence[int]) -> None:
-        """Remove one previously added sequence; nodes whose count drops to 0 are deleted."""
-        D = self.max_depth
-        active = [self.root]
+        """Remove one previously added sequence; nodes whose count drops to 0 are deleted (their ids reused)."""
+        D, edges, count = self.max_depth, self.edges, self.count
+        active = [0]
+        dead: List[int] = []
         for t in seq:
-            nxt = [self.root]
+            nxt = [0]
             for node in active[:D]:
-                child = node.children.get(t)
-                if child is None:
+                key = (node << _SHIFT) | t
+                c = edges.get(key)
+                if c is None:
                     raise SamplingError("SuffixTrie.remove: sequence was not added to this trie")
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[t]
-                nxt.append(child)
+                count[c] -= 1
+                if count[c] == 0:
+                    del edges[key]
+                    self._unlink(node, c)
+                    dead.append(c)
+                nxt.append(c)
             active = nxt
+        self.size -= len(dead)
+        self.free.extend(dead)  # only now: a removal walk must not see an id reused
+
+    def _unlink(self, parent: int, c: int) -> None:
+        nxt = self.next
+        if self.first[parent] == c:
+            self.first[parent] = nxt[c]
+            return
+        p = self.first[parent]
+        while nxt[p] != c:
+            p = nxt[p]
+        nxt[p] = nxt[c]
 
     def num_nodes(self) -> int:
         """Nodes below the root."""
-        n, stack = 0, [self.root]
-        while stack:
-            node = stack.pop()
-            n += len(node.children)
-            stack.extend(node.children.values())
+        return self.size - 1
+
+    def node(self, path: Sequence[int]) -> Optional[int]:
+        """The node of a substring (None if absent)."""
+        n: Optional[int] = 0
+        for t in path:
+            n = self.child(n, t)
+            if n is None:
+                return None
         return n
 
     def as_dict(self) -> Dict[Tuple[int, ...], int]:
         """{substring: count} of every node (for tests and debugging)."""
         out: Dict[Tuple[int, ...], int] = {}
-        stack: List[Tuple[Tuple[int, ...], TrieNode]] = [((), self.root)]
+        stack: List[Tuple[Tuple[int, ...], int]] = [((), 0)]
         while stack:
             path, node = stack.pop()
-            for t, c in node.children.items():
-                out[path + (t,)] = c.count
-                stack.append((path + (t,), c))
+            for c in self.children(node):
+                key = path + (self.token[c],)
+                out[key] = self.count[c]
+                stack.append((key, c))
         return out
+
+
+_SHIFT = 32  # token ids are < 2**32
 
 
 class TrieCursor:
@@ -119,73 +179,95 @@ class TrieCursor:
     def __init__(self, trie: SuffixTrie, grow: bool) -> None:
         self.trie = trie
         self.grow = grow
-        self.active: List[TrieNode] = [trie.root]  # active[k]: node of the last k tokens
+        self.active: List[int] = [0]  # active[k]: node of the last k tokens
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the context (O(max_depth) each)."""
-        D = self.trie.max_depth
-        root = self.trie.root
+        trie = self.trie
+        D, edges, count, new_node = trie.max_depth, trie.edges, trie.count, trie.new_node
+        link, token, first, sib = trie.link, trie.token, trie.first, trie.next
         active = self.active
         for t in tokens:
-            nxt = [root]
+            nxt = [0]
             if self.grow:
                 for node in active[:D]:
-                    child = node.children.get(t)
-                    if child is None:
-                        child = node.children[t] = TrieNode(nxt[-1])
-                    child.count += 1
-                    nxt.append(child)
+                    key = (node << _SHIFT) | t
+                    c = edges.get(key)
+                    if c is None:
+                        if trie.free:
+                            c = new_node(node, t, nxt[-1])
+                        else:  # new_node inlined: building a prompt's trie is most of the method's cost
+                            c = len(count)
+                            count.append(0)
+                            link.append(nxt[-1])
+                            token.append(t)
+                            first.append(-1)
+                            sib.append(first[node])
+                            first[node] = c
+                            edges[key] = c
+                            trie.size += 1
+                    count[c] += 1
+                    nxt.append(c)
             else:
                 for node in active[:D]:
-                    child = node.children.get(t)
-                    if child is None:
+                    c = edges.get((node << _SHIFT) | t)
+                    if c is None:
                         break  # a longer suffix cannot be present when this one is not
-                    nxt.append(child)
+                    nxt.append(c)
             active = nxt
         self.active = active
 
-    def match(self) -> Tuple[int, Optional[TrieNode]]:
+    def match(self) -> Tuple[int, Optional[int]]:
         """Longest context suffix (up to max_depth - 1 tokens) seen before with a continuation: (length, node)."""
-        act = self.active
+        act, first = self.active, self.trie.first
         for k in range(min(len(act) - 1, self.trie.max_depth - 1), 0, -1):
-            if act[k].children:
+            if first[act[k]] != -1:
                 return k, act[k]
         return 0, None
 
 
-def expand(node: TrieNode, depth: int, max_depth: int, budget: int,
+def expand(trie: SuffixTrie, node: int, depth: int, budget: int,
            min_prob: float) -> Tuple[List[int], List[int], float]:
     """Best-first candidate tree of at most ``budget`` nodes below ``node`` (a context suffix of ``depth`` tokens).
 
     Returns (tokens, parents as block indices with 0 = the root, score = sum of node probabilities). A
     node's probability is the product along its path of child count / total count of the siblings; nodes
-    under ``min_prob`` are left out. Parents come before children, siblings in decreasing probability.
+    under ``min_prob`` are left out. Parents come before children, siblings in decreasing probability. A
+    path that reaches the trie's depth, or a context that nothing followed yet (the request's own latest
+    tokens, e.g. the second period of a repetition), continues from its suffix link: the context minus its
+    first token, down to one token.
     """
+    D, count, first, nxt, link, token = trie.max_depth, trie.count, trie.first, trie.next, trie.link, trie.token
     tokens: List[int] = []
     parents: List[int] = []
     score = 0.0
-    heap: List[Tuple[float, int, int, TrieNode, int, int]] = []
+    heap: List[Tuple[float, int, int, int, int]] = []
     order = itertools.count()
 
-    def push(src: TrieNode, d: int, prob: float, block: int) -> None:
-        if d >= max_depth:  # depth limit: continue from the same context minus its first token
-            src, d = src.link, d - 1
-        kids = src.children
-        if not kids:
-            return
-        total = sum(c.count for c in kids.values())
-        for t, c in kids.items():
-            p = prob * c.count / total
+    def push(src: int, d: int, prob: float, block: int) -> None:
+        if d >= D:
+            src, d = link[src], d - 1
+        while first[src] == -1 and d > 1:  # nothing followed this context: back off to a shorter one
+            src, d = link[src], d - 1
+        kids = []
+        total = 0
+        c = first[src]
+        while c != -1:
+            kids.append(c)
+            total += count[c]
+            c = nxt[c]
+        for c in kids:
+            p = prob * count[c] / total
             if p >= min_prob:
-                heapq.heappush(heap, (-p, next(order), t, c, d + 1, block))
+                heapq.heappush(heap, (-p, next(order), c, d + 1, block))
 
     push(node, depth, 1.0, 0)
     while heap and len(tokens) < budget:
-        negp, _, t, child, d, parent = heapq.heappop(heap)
-        tokens.append(t)
+        negp, _, c, d, parent = heapq.heappop(heap)
+        tokens.append(token[c])
         parents.append(parent)
         score -= negp
-        push(child, d, -negp, len(tokens))
+        push(c, d, -negp, len(tokens))
     return tokens, parents, score
 
 
@@ -326,7 +408,7 @@ class SuffixProposer(ARProposer):
                 budget = node_budget(m, self.spec_factor, self.cap)
                 if node is None or budget == 0:
                     continue
-                cand = expand(node, m, self.max_depth, budget, self.min_prob)
+                cand = expand(cur.trie, node, m, budget, self.min_prob)
             if cand[2] > best[2]:
                 best = cand
         return best[0], best[1]
