@@ -397,10 +397,10 @@ class SuffixProposer(ARProposer):
         new = seq[self.seen[r]:]
         self.seen[r] = len(seq)
         best: Tuple[List[int], List[int], float] = ([], [], 0.0)
-        for cur in (self.local[r], self.glob[r]):
-            if cur is None:
-                continue
-            lock = self.store.lock if self.store is not None and cur is self.glob[r] else contextlib.nullcontext()
+        sources = [(self.local[r], contextlib.nullcontext())]
+        if self.glob[r] is not None and self.store is not None:
+            sources.append((self.glob[r], self.store.lock))
+        for cur, lock in sources:
             with lock:
                 if new:
                     cur.extend(new)
