@@ -37,8 +37,14 @@ def _node(trie, path):
 
 
 def _check_links(trie):
-    for path in trie.as_dict():
-        assert trie.link[_node(trie, path)] == _node(trie, path[1:]), path
+    """Suffix links point at the string minus its first token; sibling lists are consistent both ways."""
+    for path in [()] + list(trie.as_dict()):
+        node = _node(trie, path)
+        if path:
+            assert trie.link[node] == _node(trie, path[1:]), path
+        kids = trie.children(node)
+        assert [trie.prev[c] for c in kids] == ([-1] + kids[:-1] if kids else [])
+        assert sorted(trie.token[c] for c in kids) == sorted(t for t in range(10) if trie.child(node, t) is not None)
 
 
 # ------------------------------------------------------------------------------------------------ structures

@@ -54,8 +54,8 @@ class SuffixTrie:
     """Every substring of length <= ``max_depth`` of the inserted sequences, with occurrence counts.
 
     Nodes are integer ids (0 = the root, the empty string) into flat arrays — occurrence count, suffix link
-    (the node of the same string minus its first token), token, first child, next sibling — and one dict
-    maps (node, token) to the child. No Python object per node: building a prompt's trie does not feed the
+    (the node of the same string minus its first token), token, first child, next and previous sibling — and
+    one dict maps (node, token) to the child. No Python object per node: building a prompt's trie does not feed the
     cyclic garbage collector (which, with a large heap such as torch's, costs several times the build).
     Ids of deleted nodes are reused, so the arrays never outgrow the most nodes held at once.
     """
@@ -70,6 +70,7 @@ class SuffixTrie:
         self.token = array("q", [-1])
         self.first = array("q", [-1])
         self.next = array("q", [-1])
+        self.prev = array("q", [-1])  # -1: first child
         self.free: List[int] = []
         self.size = 1  # live nodes, root included
 
@@ -85,7 +86,11 @@ class SuffixTrie:
             self.token.append(token)
             self.first.append(-1)
             self.next.append(-1)
-        self.next[c] = self.first[parent]
+            self.prev.append(-1)
+        old = self.first[parent]
+        self.next[c], self.prev[c] = old, -1
+        if old != -1:
+            self.prev[old] = c
         self.first[parent] = c
         self.edges[(parent << _SHIFT) | token] = c
         self.size += 1
@@ -130,14 +135,13 @@ class SuffixTrie:
         self.free.extend(dead)  # only now: a removal walk must not see an id reused
 
     def _unlink(self, parent: int, c: int) -> None:
-        nxt = self.next
-        if self.first[parent] == c:
-            self.first[parent] = nxt[c]
-            return
-        p = self.first[parent]
-        while nxt[p] != c:
-            p = nxt[p]
-        nxt[p] = nxt[c]
+        n, p = self.next[c], self.prev[c]
+        if p == -1:
+            self.first[parent] = n
+        else:
+            self.next[p] = n
+        if n != -1:
+            self.prev[n] = p
 
     def num_nodes(self) -> int:
         """Nodes below the root."""
@@ -185,7 +189,7 @@ class TrieCursor:
         """Append tokens to the context (O(max_depth) each)."""
         trie = self.trie
         D, edges, count, new_node = trie.max_depth, trie.edges, trie.count, trie.new_node
-        link, token, first, sib = trie.link, trie.token, trie.first, trie.next
+        link, token, first, sib, prev = trie.link, trie.token, trie.first, trie.next, trie.prev
         active = self.active
         for t in tokens:
             nxt = [0]
@@ -202,7 +206,11 @@ class TrieCursor:
                             link.append(nxt[-1])
                             token.append(t)
                             first.append(-1)
-                            sib.append(first[node])
+                            old = first[node]
+                            sib.append(old)
+                            prev.append(-1)
+                            if old != -1:
+                                prev[old] = c
                             first[node] = c
                             edges[key] = c
                             trie.size += 1
