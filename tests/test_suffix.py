@@ -234,6 +234,8 @@ def test_bad_suffix_options_are_errors(opts, match):
 
 
 def test_server_learns_from_served_responses(tmp_path):
+    import time
+
     import httpx
 
     from tests.serve_utils import live_server, tiny_model, train_tokenizer
@@ -244,6 +246,9 @@ def test_server_learns_from_served_responses(tmp_path):
     with live_server(model, tok, name="tiny", method="suffix", options={"global_cache": 8}) as srv:
         r1 = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
         store = global_store(model, 8)
+        deadline = time.monotonic() + 30  # a row may be answered before its engine call ends (and learns)
+        while len(store) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(store) == 1 and tok.decode(list(store.outputs)[0]) == r1["choices"][0]["text"]
         r2 = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
     assert r2["choices"][0]["text"] == r1["choices"][0]["text"]
