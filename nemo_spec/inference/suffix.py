@@ -13,7 +13,8 @@ node of the same string minus its first token). Each step the proposer takes, in
 suffix of the context that occurred before with a continuation, and grows a candidate tree from it best
 first by the continuation's empirical probability (product of child count / sibling count), with a node
 budget ``ceil(spec_factor * match_len)`` capped at ``num_draft_tokens`` and nodes under ``min_token_prob``
-left out; a path that reaches the depth limit continues through the suffix link. The tree with the larger
+left out; a path that reaches the depth limit, or a context nothing has followed yet, continues through the
+suffix link (backing off to a shorter context). The tree with the larger
 expected accepted length (sum of node probabilities) is verified by the engine's tree machinery as
 deterministic candidates (one-hot q), which keeps sampling lossless.
 """
@@ -439,6 +440,8 @@ class SuffixProposer(ARProposer):
         self.learned = True
         for out in self.st.out:
             self.store.add(out)
+        log.debug("suffix: global store learned %d outputs (%d held, %d trie nodes)", len(self.st.out),
+                  len(self.store), self.store.trie.num_nodes())
 
 
 def replay_cost(model: torch.nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
