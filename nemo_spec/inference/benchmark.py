@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def available_methods(model: torch.nn.Module, draft_model: Optional[torch.nn.Module] = None) -> List[str]:
     """Methods that can run for this model (+ optional draft GPT)."""
-    methods = ["ar", "prompt_lookup"]
+    methods = ["ar", "prompt_lookup", "suffix"]
     if draft_model is not None:
         methods.append("draft_model")
     alg = getattr(getattr(model, "spec_config", None), "algorithm", None)
@@ -76,7 +76,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
     n = sum(len(t) for t in tokens)
     return {"engine": "nemo_spec", "method": method, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
             "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
-            "tokens": tokens}
+            "tokens": tokens, "options": opts}
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -128,11 +128,15 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
 def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Optional[torch.nn.Module] = None,
               batch_sizes: Sequence[int] = (1, 8), max_new_tokens: int = 64, methods: Optional[Sequence[str]] = None,
               options: Optional[Dict[str, Any]] = None, hf: bool = True, work_dir: Optional[Path] = None,
-              warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+              warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None,
+              suffix_options: Optional[Dict[str, Any]] = None,
+              warm_prompts: Optional[List[List[int]]] = None) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
-    ``eagle_tree`` — the chain's length is ``num_draft_tokens``, not the tree's depth.
+    ``eagle_tree`` — the chain's length is ``num_draft_tokens``, not the tree's depth; ``suffix_options`` only
+    to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
+    suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     """
     if not prompts:
         raise SamplingError("benchmark needs at least one prompt")
@@ -151,8 +155,15 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     for b in batch_sizes:
         for m in methods:
             opts = {**(options or {}), **(tree_options or {})} if m == "eagle_tree" else options
+            if m == "suffix":
+                opts = {**(options or {}), **(suffix_options or {})}
             jobs.append((f"nemo_spec {m} batch {b}",
                          functools.partial(run_ours, model, prompts, m, b, max_new_tokens, draft_model, opts)))
+            if m == "suffix" and warm_prompts:
+                gopts = warm_suffix_store(model, warm_prompts, max_new_tokens, {**(options or {}),
+                                                                                **(suffix_options or {})})
+                jobs.append((f"nemo_spec suffix_global batch {b}", functools.partial(
+                    _relabel, "suffix_global", run_ours, model, prompts, "suffix", b, max_new_tokens, None, gopts)))
     with contextlib.ExitStack() as stack:
         if hf:
             jobs += _hf_jobs(stack, model, draft_model, prompts, batch_sizes, max_new_tokens, pad_id, options, work_dir)
@@ -167,11 +178,50 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 if best[i] is None or r["time_s"] < best[i]["time_s"]:
                     best[i] = r
     rows = [r for r in best if r is not None]
+    for r in rows:
+        if r["engine"] == "nemo_spec" and r["method"] in ("suffix", "suffix_global"):
+            add_proposal_cost(model, prompts, r)
     return summarize(rows, {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
+                            "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
+
+
+def _relabel(method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
+    return {**fn(*args, **kw), "method": method}
+
+
+#: Outputs the global suffix store holds in the benchmark's suffix_global row (unless suffix options say).
+BENCH_GLOBAL_CACHE = 256
+
+
+def warm_suffix_store(model: torch.nn.Module, warm_prompts: List[List[int]], max_new_tokens: int,
+                      options: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill the model's global suffix store with greedy outputs for ``warm_prompts``; returns the frozen options."""
+    from nemo_spec.inference.suffix import DEFAULT_MAX_DEPTH, global_store
+
+    opts = {"global_cache": BENCH_GLOBAL_CACHE, **options, "ignore_eos": True, "global_update": True}
+    store = global_store(model, opts["global_cache"], opts.get("max_depth", DEFAULT_MAX_DEPTH))
+    store.clear()
+    t0 = time.perf_counter()
+    for p in warm_prompts:  # one request at a time, as a server would have served them
+        generate(model, [p], SamplingParams(max_new_tokens=max_new_tokens), method="suffix", options=opts)
+    log.info("benchmark: global suffix store warmed on %d other prompts in %.1f s (%d outputs, %d nodes)",
+             len(warm_prompts), time.perf_counter() - t0, len(store), store.trie.num_nodes())
+    return {**opts, "global_update": False}
+
+
+def add_proposal_cost(model: torch.nn.Module, prompts: List[List[int]], row: Dict[str, Any]) -> None:
+    """Replay a suffix row's outputs through the proposer: its time per step next to the row's verify step."""
+    from nemo_spec.inference.suffix import replay_cost
+
+    opts = row.get("options") or {}
+    cost = replay_cost(model, prompts, row["tokens"], opts)
+    row["propose_ms_per_step"] = cost["propose_ms_per_step"]
+    row["prompt_index_ms"] = 1e3 * cost["prefill_s"] / max(len(prompts), 1)
+    row["step_ms"] = 1e3 * row["time_s"] / max(row["target_forwards"], 1)
 
 
 def _hf_jobs(stack: contextlib.ExitStack, model: torch.nn.Module, draft_model: Optional[torch.nn.Module],
@@ -225,6 +275,10 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
 TARGET_TREE_TAU = 3.5
 TARGET_EAGLE_SPEEDUP = 2.0
 TARGET_AR_VS_TRANSFORMERS = 1.0
+# Suffix decoding (issue #18): tokens/s against our and transformers' prompt lookup, proposal cost per step.
+TARGET_SUFFIX_VS_PROMPT_LOOKUP = 1.25
+TARGET_SUFFIX_VS_HF_PROMPT_LOOKUP = 1.6
+TARGET_SUFFIX_PROPOSE_FRACTION = 0.10
 
 
 def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -232,8 +286,9 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
     b1 = [r for r in rows if r["engine"] == "nemo_spec" and r["batch_size"] == 1]
     out: List[Dict[str, Any]] = []
 
-    def add(name: str, value: float, target: float) -> None:
-        out.append({"name": name, "value": float(value), "target": target, "met": bool(value >= target)})
+    def add(name: str, value: float, target: float, op: str = ">=") -> None:
+        met = value >= target if op == ">=" else value <= target
+        out.append({"name": name, "value": float(value), "target": target, "met": bool(met), "op": op})
 
     tree = next((r for r in b1 if r["method"] == "eagle_tree"), None)
     if tree is not None:
@@ -244,6 +299,21 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
         add(f"EAGLE ({best['method']}) tokens/s vs our AR", best["speedup_vs_ar"], TARGET_EAGLE_SPEEDUP)
     if "ar_vs_transformers_b1" in summary:
         add("our AR tokens/s vs transformers generate", summary["ar_vs_transformers_b1"], TARGET_AR_VS_TRANSFORMERS)
+    pl = next((r for r in b1 if r["method"] == "prompt_lookup"), None)
+    hf_pl = next((r for r in rows if r["engine"] == "transformers" and r["method"] == "prompt_lookup"), None)
+    ar = next((r for r in b1 if r["method"] == "ar"), None)
+    for r in b1:
+        if r["method"] not in ("suffix", "suffix_global"):
+            continue
+        if pl is not None:
+            add(f"{r['method']} tokens/s vs our prompt_lookup", r["tokens_per_s"] / pl["tokens_per_s"],
+                TARGET_SUFFIX_VS_PROMPT_LOOKUP)
+        if hf_pl is not None:
+            add(f"{r['method']} tokens/s vs transformers prompt_lookup", r["tokens_per_s"] / hf_pl["tokens_per_s"],
+                TARGET_SUFFIX_VS_HF_PROMPT_LOOKUP)
+        if ar is not None and r.get("propose_ms_per_step") is not None:
+            add(f"{r['method']} proposal time per step / our AR decode step",
+                r["propose_ms_per_step"] / (1e3 / ar["tokens_per_s"]), TARGET_SUFFIX_PROPOSE_FRACTION, "<=")
     return out
 
 
@@ -264,8 +334,13 @@ def to_markdown(result: Dict[str, Any]) -> str:
         else:
             lines.append(f"- {k}: {v:.2f}x")
     for t in result.get("targets", []):
-        lines.append(f"- target at batch 1: {t['name']} >= {t['target']:g}: {t['value']:.2f} "
+        lines.append(f"- target at batch 1: {t['name']} {t.get('op', '>=')} {t['target']:g}: {t['value']:.2f} "
                      f"({'met' if t['met'] else 'NOT met'})")
+    for r in result["rows"]:
+        if r.get("propose_ms_per_step") is not None:
+            lines.append(f"- {r['method']} batch {r['batch_size']}: proposal {r['propose_ms_per_step']:.3f} ms per step, "
+                         f"prompt indexing {r['prompt_index_ms']:.2f} ms per prompt, "
+                         f"{r['step_ms']:.2f} ms per target forward")
     c = result["config"]
     lines.append(f"- {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens each, greedy, {c['device']} "
                  f"{c['dtype']}")
@@ -339,6 +414,12 @@ def build_parser():
     p.add_argument("--tree-top-k", type=int, default=None, help="eagle_tree: children per expanded node")
     p.add_argument("--total-tokens", type=int, default=None, help="eagle_tree: nodes verified per step")
     p.add_argument("--score-temperature", type=float, default=None, help="eagle_tree: greedy ranking temperature")
+    p.add_argument("--suffix-tokens", type=int, default=None, help="suffix: draft nodes per step at most")
+    p.add_argument("--suffix-depth", type=int, default=None, help="suffix: suffix trie depth (max_depth)")
+    p.add_argument("--suffix-factor", type=float, default=None, help="suffix: nodes per matched token (spec_factor)")
+    p.add_argument("--suffix-min-prob", type=float, default=None, help="suffix: min_token_prob")
+    p.add_argument("--warm-prompts", type=int, default=0,
+                   help="suffix_global row: warm the global suffix store on this many further prompts (0: no row)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is reported)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -367,9 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if line.strip():
                 texts.append(str(json.loads(line)["prompt"]) if line.lstrip().startswith("{")
                              else line.replace("\\n", "\n"))
-        texts = texts[: args.num_prompts]
+        texts = texts[: args.num_prompts + args.warm_prompts]
     else:
-        texts = default_prompts(args.num_prompts)
+        texts = default_prompts(args.num_prompts + args.warm_prompts)
     prompts = [tokenizer.encode(t, add_special_tokens=False) or [0] for t in texts]
     options = {"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens is not None else {}
     tree_options = {k: v for k, v in [("depth", args.depth), ("top_k", args.tree_top_k),
@@ -381,8 +462,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     ctx = model_config(model).max_position_embeddings - args.max_new_tokens
     prompts = [p[-ctx:] for p in prompts]
+    prompts, warm = prompts[: args.num_prompts], prompts[args.num_prompts:]
+    if args.warm_prompts and len(warm) < args.warm_prompts:
+        raise SamplingError(f"--warm-prompts {args.warm_prompts}: only {len(warm)} prompts left after the "
+                            f"{args.num_prompts} measured ones")
+    suffix_options = {k: v for k, v in [("num_draft_tokens", args.suffix_tokens), ("max_depth", args.suffix_depth),
+                                        ("spec_factor", args.suffix_factor),
+                                        ("min_token_prob", args.suffix_min_prob)] if v is not None}
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
-                       hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options)
+                       hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
+                       suffix_options=suffix_options, warm_prompts=warm or None)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

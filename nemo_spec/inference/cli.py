@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft length (eagle chain, draft_model, prompt_lookup)")
+                   help="draft length (eagle chain, draft_model, prompt_lookup; suffix: most tree nodes)")
     p.add_argument("--depth", type=int, default=None, help="eagle_tree: tree depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="eagle_tree: top-k children per level")
     p.add_argument("--total-tokens", type=int, default=None, help="eagle_tree: draft nodes verified per step")
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle_tree: draft temperature for ranking tree nodes of greedy rows (default 0.2)")
     p.add_argument("--medusa-choices", default=None, help="medusa: JSON list of rank paths, e.g. '[[0],[1],[0,0]]'")
     p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram matched")
+    p.add_argument("--max-depth", type=int, default=None, help="suffix: suffix trie depth (longest match)")
+    p.add_argument("--spec-factor", type=float, default=None, help="suffix: draft nodes per matched token")
+    p.add_argument("--min-token-prob", type=float, default=None, help="suffix: least draft node probability")
+    p.add_argument("--global-cache", type=int, default=None,
+                   help="suffix: outputs kept in the model's global suffix store (later batches draft from them)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-stream", action="store_true", help="print each completion only when it is finished")
@@ -78,7 +83,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     opts: Dict[str, Any] = {}
     for key, val in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth), ("top_k", args.tree_top_k),
                      ("total_tokens", args.total_tokens), ("score_temperature", args.score_temperature),
-                     ("max_ngram", args.max_ngram)]:
+                     ("max_ngram", args.max_ngram), ("max_depth", args.max_depth), ("spec_factor", args.spec_factor),
+                     ("min_token_prob", args.min_token_prob), ("global_cache", args.global_cache)]:
         if val is not None:
             opts[key] = val
     if args.medusa_choices:

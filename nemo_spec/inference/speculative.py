@@ -41,7 +41,8 @@ DEFAULT_SCORE_TEMPERATURE = 0.2
 
 # Every option generate() understands: method knobs, then engine knobs. Anything else is a typo.
 KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
-                 "max_ngram", "min_ngram", "pad_id", "max_cache_len", "ignore_eos")
+                 "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
+                 "global_update", "pad_id", "max_cache_len", "ignore_eos")
 
 
 def check_options(options: Dict[str, Any]) -> None:
@@ -444,7 +445,7 @@ class MedusaProposer(_SpecModelProposer):
         self.h = res.out.hidden[torch.arange(st.b, device=eng.device), last]
 
 
-METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup")
+METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix")
 
 
 def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_model: Optional[torch.nn.Module],
@@ -463,4 +464,8 @@ def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_mod
         return EagleProposer(model, options, tree=method == "eagle_tree")
     if method == "medusa":
         return MedusaProposer(model, options)
+    if method == "suffix":
+        from nemo_spec.inference.suffix import SuffixProposer
+
+        return SuffixProposer(model, options)
     raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")
