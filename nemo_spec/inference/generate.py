@@ -44,7 +44,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
              draft_model: Optional[torch.nn.Module] = None, options: Optional[Dict[str, Any]] = None,
              tokenizer: Any = None, on_tokens: Optional[OnTokens] = None,
              on_finish: Optional[OnFinish] = None) -> List[GenerationResult]:
-    """Generate continuations of token-id prompts with method ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup.
+    """Generate continuations of token-id prompts with method ar | eagle | eagle_tree | medusa | draft_model |
+    prompt_lookup | suffix.
 
     ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``score_temperature``,
     ``medusa_choices``, ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``,
