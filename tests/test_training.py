@@ -547,6 +547,42 @@ def test_soft_cross_entropy_matches_autograd_formula(monkeypatch):
     assert zb.grad.dtype == torch.bfloat16
 
 
+def _largest_tensor_in_training_step(m, x) -> int:
+    """numel of the largest tensor any op produces in one draft training step (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    with Largest():
+        m.training_losses(x)["loss"].backward()
+    return Largest.largest
+
+
+def test_eagle3_training_memory_is_linear_in_sequence_length(monkeypatch):
+    """No op of an EAGLE-3 training step (3 TTT steps) makes an [s, s]-sized tensor; the reference formulation
+    (explicit masks, full base logits) does, so the check can fail."""
+    from nemo_spec.speculative import eagle, losses
+
+    monkeypatch.setattr(eagle, "TTT_BLOCK_ELEMENTS", 32 * 512 * 4)  # query blocks of 32 rows at s = 512
+    torch.manual_seed(0)
+    s = 512
+    m = SpeculativeTransform(algorithm="eagle3", ttt_steps=3, draft_vocab_size=48)(
+        build_gpt(tiny_llama(max_position_embeddings=s + 8)))
+    m.set_draft_vocab(torch.rand(96))
+    x = torch.randint(0, 96, (1, s))
+    assert _largest_tensor_in_training_step(m, x) < s * s
+    monkeypatch.setattr(losses, "REFERENCE_FORMULATION", True)
+    assert _largest_tensor_in_training_step(m, x) >= s * s
+
+
 def test_benchmark_reports_ratio():
     from nemo_spec.training.benchmark import benchmark_train_step
 
@@ -554,6 +590,7 @@ def test_benchmark_reports_ratio():
                              draft_vocab_size=32)
     assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
     assert r.draft_vocab_size == 32
+    assert r.draft_peak_mib >= r.idle_mib > 0 and r.base_peak_mib >= r.idle_mib and r.formulation == "linear"
     from nemo_spec.training.benchmark import _parse
 
     _, cfg = _parse([])  # default model: the built-in `small` base shape

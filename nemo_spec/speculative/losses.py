@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_spec.models.gpt import GPTOutput, gather_vocab, gpt_forward, model_config, output_logits
-from nemo_spec.speculative.eagle import TTTContext
+from nemo_spec.speculative.eagle import TTTContext, ttt_mask
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,11 @@ def shift_left(x: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
     if shift < x.shape[1]:
         out[:, : x.shape[1] - shift] = x[:, shift:]
     return out
+
+
+#: True: the straightforward quadratic-memory formulation (explicit [s, s * steps] TTT masks, full base logits
+#: for every position) that the memory-linear one is tested and benchmarked against; never needed otherwise
+REFERENCE_FORMULATION = False
 
 
 def base_outputs(model, input_ids: torch.Tensor, compute_logits: bool = True) -> GPTOutput:
@@ -223,7 +228,9 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     step_logits: List[torch.Tensor] = []
     for i in range(ttt_steps):
         ctx.position_ids = (torch.arange(s, device=input_ids.device) + i)[None].expand(b, s)
-        # ctx.mask stays None: the draft attends in the ttt_mask pattern without materialising it
+        if REFERENCE_FORMULATION:
+            ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
+        # else ctx.mask stays None: the draft attends in the ttt_mask pattern without materialising it
         tokens = shift_left(input_ids, 1 + i)
         hidden, logits = model.draft_step(tokens, hidden, ctx)
         n = max(0, s - 2 - i)  # rows t whose predicted token t + 2 + i exists

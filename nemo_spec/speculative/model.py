@@ -199,7 +199,7 @@ class SpeculativeGPT(MegatronModule):
         # EAGLE-3 needs the base logits only row block by row block (eagle3_targets computes them from the
         # final hidden states), so the [b, s, V] tensor is not built for it
         out = base_out if base_out is not None else losses.base_outputs(
-            self, input_ids, compute_logits=self.algorithm != "eagle3")
+            self, input_ids, compute_logits=self.algorithm != "eagle3" or losses.REFERENCE_FORMULATION)
         if self.algorithm == "eagle1":
             return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
                                         return_logits=return_logits)

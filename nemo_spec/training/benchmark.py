@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BenchResult:
-    """Median milliseconds per step for the base fwd+bwd and the draft training step, and their ratio."""
+    """Median milliseconds per step for the base fwd+bwd and the draft training step, their ratio, and the peak
+    memory during each (CPU: resident set size of the process, sampled; CUDA: max allocated), in MiB."""
 
     base_ms: float
     draft_ms: float
@@ -37,10 +38,66 @@ class BenchResult:
     device: str
     draft_vocab_size: Optional[int] = None
     threads: int = 0
+    base_peak_mib: float = 0.0
+    draft_peak_mib: float = 0.0
+    idle_mib: float = 0.0  # before the first step: weights, inputs, the interpreter
+    formulation: str = "linear"
 
     def as_dict(self) -> Dict[str, object]:
         """Plain dict (for printing/JSON)."""
         return dict(self.__dict__)
+
+
+class PeakMemory:
+    """Peak memory per labelled phase: CUDA max allocated, or on CPU the process RSS sampled every ``period_s``
+    by a background thread (RSS cannot be reset, so phases are sampled, not read from ru_maxrss)."""
+
+    def __init__(self, device: torch.device, period_s: float = 0.002) -> None:
+        self.device, self.period_s = device, period_s
+        self.peaks: Dict[str, int] = {}
+        self._label: Optional[str] = None
+        self._stop = False
+        self._thread = None
+        if device.type != "cuda":
+            import threading
+
+            import psutil
+
+            self._proc = psutil.Process()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def now(self) -> int:
+        """Current bytes (allocated on CUDA, RSS on CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return int(self._proc.memory_info().rss)
+
+    def _sample(self) -> None:
+        while not self._stop:
+            label = self._label
+            if label is not None:
+                self.peaks[label] = max(self.peaks.get(label, 0), self.now())
+            time.sleep(self.period_s)
+
+    def measure(self, label: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` and record the peak memory during it under ``label``."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            fn()
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self._label = label
+            fn()
+            self._label = None
+            peak = self.now()
+        self.peaks[label] = max(self.peaks.get(label, 0), peak)
+
+    def close(self) -> None:
+        """Stop the sampler."""
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join()
 
 
 def small_base_config() -> ModelConfig:
@@ -72,10 +129,11 @@ def _time_alternately(fns: Sequence[Callable[[], None]], iters: int, warmup: int
 def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "eagle3", batch_size: int = 4,
                          seq_len: int = 256, iters: int = 5, warmup: int = 2, ttt_steps: int = 3,
                          num_eagle_layers: int = 1, num_medusa_heads: int = 4, draft_vocab_size: Optional[int] = None,
-                         device: Optional[str] = None, seed: int = 0) -> BenchResult:
+                         device: Optional[str] = None, seed: int = 0, reference: bool = False) -> BenchResult:
     """Median time of one draft training step (base no-grad forward + draft forward/backward) vs one base
     forward+backward (LM loss, all base parameters trainable) on the same random batch; ``cfg`` defaults to the
-    ``small`` base shape, ``draft_vocab_size`` (EAGLE-3) to the whole base vocabulary."""
+    ``small`` base shape, ``draft_vocab_size`` (EAGLE-3) to the whole base vocabulary. ``reference``: time the
+    quadratic-memory formulation of the losses instead (explicit TTT masks, full base logits)."""
     from nemo_spec.models import build_gpt
     from nemo_spec.speculative import SpeculativeTransform
     from nemo_spec.training.module import lm_loss
@@ -115,10 +173,24 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
         loss.backward()
         spec.zero_grad(set_to_none=True)
 
-    tb, td = _time_alternately([base_step, draft_step], iters, warmup, dev)
+    from nemo_spec.speculative import losses as losses_mod
+
+    mem = PeakMemory(dev)
+    idle = mem.now()
+    previous = losses_mod.REFERENCE_FORMULATION
+    losses_mod.REFERENCE_FORMULATION = reference
+    try:
+        tb, td = _time_alternately([lambda: mem.measure("base", base_step), lambda: mem.measure("draft", draft_step)],
+                                   iters, warmup, dev)
+    finally:
+        losses_mod.REFERENCE_FORMULATION = previous
+        mem.close()
     base_ms, draft_ms = 1000.0 * statistics.median(tb), 1000.0 * statistics.median(td)
+    mib = 1024.0 * 1024.0
     res = BenchResult(base_ms, draft_ms, draft_ms / base_ms, algorithm, batch_size, seq_len, str(dev),
-                      spec.draft_vocab_size if eagle3 else None, torch.get_num_threads())
+                      spec.draft_vocab_size if eagle3 else None, torch.get_num_threads(),
+                      round(mem.peaks.get("base", 0) / mib, 1), round(mem.peaks.get("draft", 0) / mib, 1),
+                      round(idle / mib, 1), "reference" if reference else "linear")
     log.info("draft %s step %.1f ms vs base fwd+bwd %.1f ms: ratio %.2f", algorithm, draft_ms, base_ms, res.ratio)
     return res
 
@@ -137,6 +209,8 @@ def _parse(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, ModelConf
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--reference", action="store_true",
+                   help="time the quadratic-memory reference formulation (explicit TTT masks, full base logits)")
     a = p.parse_args(argv)
     from nemo_spec.base.presets import load_preset
 
@@ -162,11 +236,13 @@ def main(argv: Optional[Sequence[str]] = None) -> BenchResult:
     parallel.initialize(1)
     try:
         r = benchmark_train_step(cfg, a.algorithm, a.batch, a.seq, iters=a.iters, warmup=a.warmup,
-                                 ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab, device=a.device)
+                                 ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab, device=a.device,
+                                 reference=a.reference)
     finally:
         parallel.destroy()
     print(json.dumps(r.as_dict(), indent=2))
-    print(f"{a.algorithm} training step / base forward+backward = {r.ratio:.2f}x (target <= 1.4x)")
+    print(f"{a.algorithm} training step / base forward+backward = {r.ratio:.2f}x (target <= 1.4x); peak memory "
+          f"draft step {r.draft_peak_mib:.0f} MiB, base step {r.base_peak_mib:.0f} MiB (idle {r.idle_mib:.0f} MiB)")
     return r
 
 
