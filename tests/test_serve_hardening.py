@@ -324,7 +324,7 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "model.name=tiny",
-           f"port={port}", "model.max_batch=4", "shutdown_drain_s=4", "batch_wait_ms=300",
+           f"port={port}", "model.max_batch=4", "shutdown_drain_s=6", "batch_wait_ms=300",
            f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -357,11 +357,13 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
         threads = [threading.Thread(target=stream, args=(0, 200))]
         threads += [threading.Thread(target=stream, args=(i, 3000)) for i in range(1, 8)]
         threads += [threading.Thread(target=plain, args=(8,))]
-        for t in threads:  # within one batch_wait_ms, in this order (FIFO: 0-3 form the running batch)
+        for t in threads[:4]:  # one engine batch (within batch_wait_ms): 0-3 run
             t.start()
-            time.sleep(0.02)
         lines_of = lambda i: results.get(i, {}).get("lines", [])  # noqa: E731
         _wait(lambda: len(lines_of(0)) >= 5 and all(lines_of(i) for i in (1, 2, 3)), timeout=60)
+        for t in threads[4:]:  # these wait in the queue behind the running batch
+            t.start()
+        time.sleep(0.5)
         assert not any(line.endswith("[DONE]") for line in lines_of(0))  # still running at SIGTERM
         proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -398,3 +400,172 @@ def _wait_up(proc, url, timeout=240):
             pass
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.3)
+
+
+# ------------------------------------------------------------------------------------ batcher edge cases
+# The batcher driven by a scripted engine function, to reach failure orders the real engine produces rarely.
+
+class _Tok:
+    def decode(self, ids, **kw):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class _Loop:
+    """An asyncio loop in a thread collecting each request's events."""
+
+    def __init__(self):
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def request(self, prompts, n=1):
+        import asyncio
+
+        from nemo_spec.serve.batching import GenRequest, RowSpec
+
+        async def make():
+            rows = [RowSpec(list(p), SamplingParams(max_new_tokens=3), i * n + j) for i, p in enumerate(prompts)
+                    for j in range(n)]
+            return GenRequest(rows=rows, stop=[], loop=self.loop, prompt_tokens=1)
+
+        return asyncio.run_coroutine_threadsafe(make(), self.loop).result()
+
+    def events(self, req):
+        import asyncio
+
+        async def drain():
+            out = []
+            while not req.events.empty():
+                out.append(req.events.get_nowait())
+            return out
+
+        time.sleep(0.05)
+        return asyncio.run_coroutine_threadsafe(drain(), self.loop).result()
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _engine(gate=None):
+    """Rows get tokens [1, 2, 3] unless their prompt is [9] (first token is EOS: on_finish only); a batch with a
+    prompt [666] in it raises after the rows' first step."""
+
+    def run(prompts, params, on_tokens, on_finish):
+        if gate is not None:
+            assert gate.wait(30)
+        poison = [666] in prompts
+        out = []
+        for r, p in enumerate(prompts):
+            if p == [9]:
+                on_finish(r, "stop")
+                out.append(type("R", (), {"tokens": [], "finish_reason": "stop", "stats": {}})())
+                continue
+            if poison:
+                continue
+            for t in (1, 2, 3):
+                on_tokens(r, [t])
+            on_finish(r, "length")
+            out.append(type("R", (), {"tokens": [1, 2, 3], "finish_reason": "length", "stats": {}})())
+        if poison:
+            raise RuntimeError("poison row")
+        return out
+
+    return run
+
+
+def _kinds(events):
+    return [e[0] for e in events]
+
+
+def test_split_request_survives_a_poison_request_in_its_second_batch():
+    from nemo_spec.serve.batching import Batcher
+
+    lp, gate = _Loop(), threading.Event()
+    b = Batcher(_engine(gate), _Tok(), max_batch=2, max_queue=8, batch_wait_s=0.2)
+    try:
+        split = lp.request([[5]], n=3)  # rows 0,1 in batch 1; row 2 shares batch 2 with the poison request
+        poison = lp.request([[666]])
+        b.submit(split)
+        b.submit(poison)
+        gate.set()
+        _wait(lambda: split.done and poison.failed)
+        ev = lp.events(split)
+        assert _kinds(ev).count("finish") == 3 and "error" not in _kinds(ev), ev
+        assert [e for e in lp.events(poison) if e[0] == "error"]
+        assert b.metrics.latency.count() == 1 == b.metrics.ttft.count()
+    finally:
+        b.close()
+        lp.close()
+
+
+def test_a_row_that_ended_before_its_batch_failed_is_not_answered_twice():
+    from nemo_spec.serve.batching import Batcher
+
+    lp, gate = _Loop(), threading.Event()
+    b = Batcher(_engine(gate), _Tok(), max_batch=4, max_queue=8, batch_wait_s=0.2)
+    try:
+        eos_first = lp.request([[9]])  # ends through on_finish alone, then the shared batch fails
+        poison = lp.request([[666]])
+        b.submit(eos_first)
+        b.submit(poison)
+        gate.set()
+        _wait(lambda: poison.failed)
+        time.sleep(0.2)
+        ev = lp.events(eos_first)
+        assert _kinds(ev) == ["finish"], ev
+        assert eos_first.rows_done == eos_first.num_rows == 1
+        assert b.metrics.completion_tokens.total() == 1  # the eos, once
+    finally:
+        b.close()
+        lp.close()
+
+
+def test_shutdown_lets_a_running_split_request_drain():
+    from nemo_spec.serve.batching import Batcher
+
+    lp, gate = _Loop(), threading.Event()
+    b = Batcher(_engine(gate), _Tok(), max_batch=2, max_queue=8, batch_wait_s=0.05)
+    try:
+        split = lp.request([[5]], n=4)  # two batches of two rows
+        queued = lp.request([[6]])
+        b.submit(split)
+        _wait(lambda: split.next_row == 2)
+        b.submit(queued)
+        b.begin_shutdown()
+        assert [e[0] for e in lp.events(queued)] == ["error"] and not split.failed  # queued: 503 at once
+        gate.set()  # the running split request goes on through its second batch during the drain
+        _wait(lambda: split.done)
+        assert _kinds(lp.events(split)).count("finish") == 4
+        gate.clear()
+        late = lp.request([[5]], n=4)
+        with pytest.raises(Exception):
+            b.submit(late)  # closed for new requests
+    finally:
+        gate.set()
+        b.close()
+        lp.close()
+
+
+def test_abort_after_the_drain_ends_running_and_not_yet_started_slices():
+    from nemo_spec.serve.batching import Batcher
+
+    lp, gate = _Loop(), threading.Event()
+    b = Batcher(_engine(gate), _Tok(), max_batch=2, max_queue=8, batch_wait_s=0.05)
+    try:
+        split = lp.request([[5]], n=4)
+        b.submit(split)
+        _wait(lambda: split.next_row == 2)
+        b.begin_shutdown()
+        b.abort_running()
+        gate.set()
+        _wait(lambda: split.failed)
+        ev = lp.events(split)
+        assert ev[-1][0] == "error" and ev[-1][3] == "server_shutdown" and "finish" not in _kinds(ev), ev
+        b.close(timeout=10)
+        assert not b.alive
+    finally:
+        gate.set()
+        lp.close()

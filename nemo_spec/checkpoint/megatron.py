@@ -209,15 +209,23 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
     return None
 
 
+#: never copied along with a tokenizer (the source may be a model or checkpoint directory)
+_NOT_TOKENIZER = ("config.json", "nemo_spec_config.json", "metadata.json", "common.pt", "export_info.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".gguf", ".h5", ".msgpack")
+
+
 def copy_tokenizer(src: PathLike, dst: Path) -> List[str]:
-    """Copy the tokenizer files (TOKENIZER_FILES, plus generation_config.json) of directory ``src`` into ``dst``,
-    never anything else (``src`` may be a model directory); returns the names copied."""
+    """Copy the tokenizer files of directory ``src`` into ``dst``: every regular file except model weights,
+    checkpoint data and model configs (so ``src`` may be a model directory; sentencepiece / tiktoken files and
+    tokenizer code are kept); returns the names copied."""
     src = Path(src).expanduser()
     if not src.is_dir():
         raise CheckpointError(f"tokenizer_dir {src} is not a directory")
-    names = [n for n in TOKENIZER_FILES + ("generation_config.json",) if (src / n).is_file()]
-    if not any(n in TOKENIZER_FILES for n in names):
-        raise CheckpointError(f"tokenizer_dir {src} holds no tokenizer files (looked for {list(TOKENIZER_FILES)})")
+    names = sorted(f.name for f in src.iterdir()
+                   if f.is_file() and not f.name.startswith(".") and f.name not in _NOT_TOKENIZER
+                   and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"))
+    if not names:
+        raise CheckpointError(f"tokenizer_dir {src} holds no tokenizer files")
     dst.mkdir(parents=True, exist_ok=True)
     for n in names:
         shutil.copy2(src / n, dst / n)

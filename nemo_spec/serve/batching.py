@@ -207,6 +207,7 @@ class Batcher:
         self._closed = False
         self._drain = True
         self._closed_reason = f"model {name!r} is being unloaded"
+        self._abort_message: Optional[str] = None
         self.running_rows = 0
         self.batches_run = 0
         self._current: List[GenRequest] = []
@@ -256,14 +257,30 @@ class Batcher:
             self._cond.notify_all()
 
     def abort_running(self, message: str = "the server is shutting down") -> None:
-        """Server shutdown, after the drain time: end the rows still generating with a 503 error event."""
+        """Server shutdown, after the drain time: end every row still generating, and every one not started
+        yet (later slices of split requests, reruns), with a 503 error event."""
         with self._cond:
+            self._abort_message = message
             for req in self._current:
                 req.aborted = message
+            self._fail_pending(503, message, "server_shutdown", started_too=True)
+            self._cond.notify_all()
 
-    def _fail_pending(self, status: int, message: str, code: str) -> None:
+    def _abort_of(self, req: GenRequest) -> Optional[str]:
+        """Why ``req`` must end now (shutdown after the drain time), or None."""
+        return req.aborted if req.aborted is not None else self._abort_message
+
+    def _fail_pending(self, status: int, message: str, code: str, started_too: bool = False) -> None:
+        """Answer queued requests with an error; a request whose first rows are already running (split over
+        batches) stays queued unless ``started_too``, so it finishes (drain, unload) like other running ones."""
+        keep = collections.deque()
         while self._pending:
-            self._pending.popleft().fail(status, message, code)
+            req = self._pending.popleft()
+            if req.next_row > 0 and not started_too:
+                keep.append(req)
+            else:
+                req.fail(status, message, code)
+        self._pending = keep
 
     @property
     def alive(self) -> bool:
@@ -320,7 +337,7 @@ class Batcher:
         """Run one batch; when it fails, rerun each request that has received nothing yet on its own, so a
         request that cannot run (a poison row) fails alone and never takes the others down with it."""
         self._current = [req for req, _ in batch]
-        progress = [_SliceProgress(streamed=req.first_token is not None) for req, _ in batch]
+        progress = [_SliceProgress() for _ in batch]
         try:
             self._execute(batch, progress)
             return
@@ -329,26 +346,28 @@ class Batcher:
         finally:
             self.running_rows = 0
             self._current = []
+        message = f"generation failed: {type(error).__name__}: {error}"
         if len(batch) == 1:
             log.error("engine batch failed: %s: %s", type(error).__name__, error, exc_info=error)
-            req, rows = batch[0]
-            self._end_rows(req, len(rows) - progress[0].ended)
-            req.fail(500, f"generation failed: {type(error).__name__}: {error}")
-            return
-        log.warning("engine batch of %d requests failed (%s: %s); rerunning them one by one", len(batch),
-                    type(error).__name__, error)
+        else:
+            log.warning("engine batch of %d requests failed (%s: %s); rerunning them one by one", len(batch),
+                        type(error).__name__, error)
         for (req, rows), prog in zip(batch, progress):
-            if prog.streamed or req.dropped:  # tokens already went out: a rerun would send them twice
+            if prog.ended == len(rows):  # this slice had finished before the failure
+                continue
+            if len(batch) == 1 or prog.streamed or req.dropped or self._abort_message is not None:
+                # alone already, or events already went out for it (a rerun would send them twice)
                 self._end_rows(req, len(rows) - prog.ended)
-                req.fail(500, f"generation failed: {type(error).__name__}: {error}")
+                req.fail(500, message)
             else:
                 self._run([(req, rows)])
 
     def _end_rows(self, req: GenRequest, n: int, now: Optional[float] = None) -> None:
         """Count ``n`` finished rows of ``req``; at its last row record its latency and TTFT (the same set of
         requests: those that received at least one token)."""
+        was_done = req.done
         req.rows_done += n
-        if req.done and req.first_token is not None:
+        if req.done and not was_done and req.first_token is not None:
             now = time.monotonic() if now is None else now
             self.metrics.ttft.observe(req.first_token - req.arrived)
             self.metrics.latency.observe(now - req.arrived)
@@ -365,9 +384,10 @@ class Batcher:
             req, spec, _, prog = rows[row]
             done[row] = True
             prog.ended += 1
+            prog.streamed = True  # an event went out for this slice
             self.metrics.completion_tokens.inc(count)
             if reason is None:  # aborted at shutdown, or its request failed elsewhere
-                req.fail(503, req.aborted or "request failed", "server_shutdown")
+                req.fail(503, self._abort_of(req) or "request failed", "server_shutdown")
             else:
                 if reason == "cancelled":
                     self.metrics.cancelled.inc()
@@ -389,7 +409,7 @@ class Batcher:
             if done[row]:
                 return False
             req, spec, dec, prog = rows[row]
-            if req.aborted is not None or req.failed:
+            if self._abort_of(req) is not None or req.failed:
                 end_row(row, None, len(dec.tokens), {})
                 return False
             if req.cancelled:
@@ -412,7 +432,7 @@ class Batcher:
             if done[row]:
                 return
             req, spec, dec, _ = rows[row]
-            if req.aborted is not None or req.failed:
+            if self._abort_of(req) is not None or req.failed:
                 end_row(row, None, len(dec.tokens), {})
                 return
             if not dec.stopped:
@@ -435,7 +455,7 @@ class Batcher:
                     pass
             if done[i]:
                 continue
-            if req.aborted is not None or req.failed:
+            if self._abort_of(req) is not None or req.failed:
                 end_row(i, None, len(res.tokens), {})
                 continue
             tokens = [int(t) for t in res.tokens]

@@ -48,9 +48,20 @@ class BenchResult:
         return dict(self.__dict__)
 
 
+def _release_free_heap() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``) so RSS reflects live memory; no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory per labelled phase: CUDA max allocated, or on CPU the process RSS sampled every ``period_s``
-    by a background thread (RSS cannot be reset, so phases are sampled, not read from ru_maxrss)."""
+    by a background thread (RSS cannot be reset, so phases are sampled, not read from ru_maxrss; freed heap is
+    returned to the OS before each phase)."""
 
     def __init__(self, device: torch.device, period_s: float = 0.002) -> None:
         self.device, self.period_s = device, period_s
@@ -87,6 +98,7 @@ class PeakMemory:
             fn()
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
+            _release_free_heap()  # memory the previous phase freed must not count towards this one
             self._label = label
             fn()
             self._label = None
