@@ -236,8 +236,10 @@ class EagleDraft(MegatronModule):
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, base: torch.nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor,
-                ctx: Optional[AttnContext] = None, gather: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd])."""
+                ctx: Optional[AttnContext] = None, gather: bool = True,
+                head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd]); with
+        ``head=False`` (EAGLE-3 training: :meth:`head_logits` row block by row block) the logits are None."""
         fast = fastpath.active()  # generation: the lean path through the same modules (see models/fastpath.py)
         if fast and parallel.tp_size() == 1:
             emb = F.embedding(input_ids.t(), base.embedding.word_embeddings.weight)
@@ -253,6 +255,8 @@ class EagleDraft(MegatronModule):
             x = self._eagle3_first_layer(emb, feat, ctx, fast)
             for layer in self.layers[1:]:
                 x = self._layer(layer, x, ctx, fast)
+            if not head:
+                return x.transpose(0, 1), None
             if fast:
                 logits = fastpath.column(self.output_layer, fastpath.norm(self.final_layernorm, x))
             else:
@@ -260,6 +264,11 @@ class EagleDraft(MegatronModule):
         if gather:
             logits = gather_vocab(logits)
         return x.transpose(0, 1), logits.transpose(0, 1)
+
+    def head_logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """EAGLE-3 draft head (final norm + lm_head over the draft vocabulary) on hidden rows [..., h]."""
+        logits, _ = self.output_layer(self.final_layernorm(x))
+        return gather_vocab(logits) if gather else logits
 
     @staticmethod
     def _layer(layer: TransformerLayer, x: torch.Tensor, ctx: Optional[AttnContext], fast: bool) -> torch.Tensor:

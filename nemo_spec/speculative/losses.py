@@ -207,6 +207,29 @@ def eagle3_targets(model, out: GPTOutput) -> Tuple[torch.Tensor, torch.Tensor, O
     return (probs.view(s, b, -1), top.view(s, b), None if in_vocab is None else in_vocab.view(s, b))
 
 
+def _head_ce_block(head: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor):
+    return soft_cross_entropy_rows(head.head_logits(x[:, None])[:, 0], targets)
+
+
+def _chunked_head_ce(head: torch.nn.Module, x: torch.Tensor,
+                     targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(soft CE [N], argmax [N]) of the draft head on hidden rows ``x`` [R >= N, h] against ``targets`` [N, Vd],
+    one checkpointed row block at a time (each block's logits are recomputed in the backward pass)."""
+    from torch.utils.checkpoint import checkpoint
+
+    n, v = targets.shape
+    if n == 0:
+        return soft_cross_entropy_rows(head.head_logits(x[:1, None])[:, 0], targets)
+    step = max(1, 4 * _row_block(v, x.device))
+    ces, preds = [], []
+    for a in range(0, n, step):
+        e = min(a + step, n)
+        ce, pred = checkpoint(_head_ce_block, head, x[a:e], targets[a:e], use_reentrant=False)
+        ces.append(ce)
+        preds.append(pred)
+    return torch.cat(ces), torch.cat(preds)
+
+
 def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
                   ttt_steps: int, decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
     """EAGLE-3 training-time test: ``ttt_steps`` unrolled steps, soft CE vs the base restricted to the draft vocab.
@@ -232,10 +255,14 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
             ctx.mask = ttt_mask(s, i, input_ids.device)[None].expand(b, s, s * (i + 1))
         # else ctx.mask stays None: the draft attends in the ttt_mask pattern without materialising it
         tokens = shift_left(input_ids, 1 + i)
-        hidden, logits = model.draft_step(tokens, hidden, ctx)
         n = max(0, s - 2 - i)  # rows t whose predicted token t + 2 + i exists
-        ce, pred = soft_cross_entropy_rows(logits.transpose(0, 1).reshape(s * b, vd),
-                                           probs[1 + i: 1 + i + n].reshape(n * b, vd))
+        targets = probs[1 + i: 1 + i + n].reshape(n * b, vd)
+        if return_logits or REFERENCE_FORMULATION:
+            hidden, logits = model.draft_step(tokens, hidden, ctx)
+            ce, pred = soft_cross_entropy_rows(logits.transpose(0, 1).reshape(s * b, vd), targets)
+        else:  # the draft head and its loss in checkpointed row blocks: no [s, b, Vd] logits for the sequence
+            hidden, _ = model.draft_step(tokens, hidden, ctx, head=False)
+            ce, pred = _chunked_head_ce(model.eagle_module, hidden.transpose(0, 1).reshape(s * b, -1), targets)
         mask = mask_sb[2 + i: 2 + i + n]
         if in_vocab is not None:
             mask = mask & in_vocab[1 + i: 1 + i + n]
