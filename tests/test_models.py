@@ -142,3 +142,28 @@ def test_bf16_model_runs_both_paths(make):
         b = gpt_forward(m, x, fast=True).logits.float()
     assert torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_kv_expansion_for_the_cpu_backward_is_exact():
+    """expand_kv_for_backward (CPU training: k/v repeated to the query heads, enable_gqa off) gives enable_gqa's
+    outputs and gradients; without autograd it leaves k/v alone."""
+    import torch.nn.functional as F
+
+    from nemo_spec.models.attention import expand_kv_for_backward
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 11, 8, requires_grad=True)
+    k = torch.randn(2, 2, 11, 8, requires_grad=True)
+    v = torch.randn(2, 2, 11, 8, requires_grad=True)
+    w = torch.randn(2, 6, 11, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    g_ref = torch.autograd.grad((ref * w).sum(), [q, k, v])
+    ke, ve, gqa = expand_kv_for_backward(q, k, v)
+    assert not gqa and ke.shape == (2, 6, 11, 8)
+    out = F.scaled_dot_product_attention(q, ke, ve, is_causal=True, enable_gqa=gqa)
+    g = torch.autograd.grad((out * w).sum(), [q, k, v])
+    assert torch.allclose(out, ref, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, atol=1e-5)
+    with torch.no_grad():
+        assert expand_kv_for_backward(q, k, v)[2] is True

@@ -56,6 +56,21 @@ def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tens
     return (xf * cos + rot * sin).to(x.dtype)
 
 
+def expand_kv_for_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(k, v, enable_gqa): on CPU with autograd recording, k/v [b, groups, s, d] repeated to q's heads and
+    enable_gqa off. torch's CPU flash-attention backward is 10-40x slower with ``enable_gqa`` (measured, torch
+    2.13, 3 heads / 1 group, 2048 tokens: 1.7 s vs 0.13 s; with a mask 4.8 s vs 0.1 s); the copy is linear in s."""
+    heads, groups = q.shape[1], k.shape[1]
+    if heads == groups:
+        return k, v, False
+    if q.device.type != "cpu" or not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad):
+        return k, v, True
+    rep = heads // groups
+    b, _, s, d = k.shape
+    return (k[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d),
+            v[:, :, None].expand(b, groups, rep, s, v.shape[-1]).reshape(b, heads, s, v.shape[-1]), False)
+
+
 class KVCache:
     """Preallocated per-layer key/value cache, batch-aware, with per-row committed lengths.
 
@@ -222,6 +237,7 @@ class SDPACoreAttention(MegatronModule):
             mask = ~attention_mask.bool()  # megatron convention: True = masked out
         else:
             is_causal = True
+        k, v, gqa = expand_kv_for_backward(q, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-                                             enable_gqa=self.heads != self.groups)
+                                             enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

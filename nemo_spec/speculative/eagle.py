@@ -45,7 +45,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models import fastpath
-from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope
+from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
 from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
 from nemo_spec.models.spec import layer_spec, transformer_config
 
@@ -127,12 +127,12 @@ class DraftCoreAttention(SDPACoreAttention):
             k = apply_rope(k, ctx.position_ids, self.inv_freq)
         steps = ctx.store.setdefault(self.layer_number - 1, [])
         steps.append((k, v))
-        gqa = self.heads != self.groups
         if ctx.mask is None:
-            out = ttt_attention(q, [st[0] for st in steps], [st[1] for st in steps], self.scale, gqa)
+            kvs = [expand_kv_for_backward(q, st[0], st[1]) for st in steps]
+            out = ttt_attention(q, [x[0] for x in kvs], [x[1] for x in kvs], self.scale, kvs[0][2])
         else:
-            k_all = torch.cat([st[0] for st in steps], dim=2)
-            v_all = torch.cat([st[1] for st in steps], dim=2)
+            k_all, v_all, gqa = expand_kv_for_backward(q, torch.cat([st[0] for st in steps], dim=2),
+                                                       torch.cat([st[1] for st in steps], dim=2))
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask[:, None], scale=self.scale,
                                                  enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

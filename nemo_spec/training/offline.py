@@ -168,12 +168,18 @@ def offline_collate(batch: Sequence[Dict[str, torch.Tensor]], pad_id: int = 0) -
 
 
 def base_output_from_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> GPTOutput:
-    """Rebuild the base output (gathered logits, hidden, aux hiddens) from stored states via the frozen head."""
+    """Rebuild the base output (gathered logits, hidden, aux hiddens) from stored states via the frozen head;
+    EAGLE-3 gets no logits (its losses compute them from the hidden states one row block at a time)."""
+    from nemo_spec.speculative import losses
+
     gpt = model.gpt
     hidden = batch["base_hidden"]
     w = next(gpt.parameters())
-    with torch.no_grad():
-        logits = gather_vocab(output_logits(gpt, hidden.to(w.dtype).transpose(0, 1).contiguous())).transpose(0, 1)
+    logits = None
+    if getattr(model, "algorithm", None) != "eagle3" or losses.REFERENCE_FORMULATION:
+        with torch.no_grad():
+            logits = gather_vocab(output_logits(gpt, hidden.to(w.dtype).transpose(0, 1).contiguous())
+                                  ).transpose(0, 1)
     aux = list(batch["base_aux"].unbind(2)) if "base_aux" in batch else []
     return GPTOutput(logits=logits, hidden=hidden.to(w.dtype), aux_hidden=[a.to(w.dtype) for a in aux])
 
