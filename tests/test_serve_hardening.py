@@ -287,6 +287,8 @@ def test_n_above_max_batch_is_split_over_batches(model, tok):
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
         out = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0.9, seed=11, n=5,
                                    extra_body={"ignore_eos": True})
+        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": [[5]] * 65, "n": 4, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"  # 260 > 256 rows
     assert len(out.choices) == 5 and out.usage.completion_tokens == 40
     for ch in out.choices:  # each choice is its own seeded row: the same as generating it alone
         want = generate(ref, [ids], SamplingParams(temperature=0.9, max_new_tokens=8, seed=11 + ch.index),

@@ -387,6 +387,10 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         n = req.n
         rows: List[RowSpec] = []  # more rows than max_batch are split over engine batches by the batcher
         refuse_if_shutting_down()
+        if len(prompts) * n > cfg.max_rows_per_request:
+            raise P.invalid(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed this server's "
+                            f"limit of {cfg.max_rows_per_request} per request (max_rows_per_request)", "n",
+                            "too_many_sequences")
         for p_idx, prompt in enumerate(prompts):
             for j in range(n):
                 seed = None if req.seed is None else req.seed + j

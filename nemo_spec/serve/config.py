@@ -80,6 +80,7 @@ class ServeConfig:
     max_prompt_chars: int = 1_000_000  # longer prompts (all messages together) -> 400, checked before tokenizing
     health_requires_key: bool = False  # /health is open by default (load balancers), like vLLM
     retry_after_s: int = 1  # Retry-After on 503 queue_full
+    max_rows_per_request: int = 256  # prompts x n of one request (split over engine batches); more -> 400
     shutdown_drain_s: float = 10.0  # SIGTERM: queued requests -> 503 at once; running ones get this long
     log_level: str = "info"
     models: List[ModelSpec] = field(default_factory=list)
@@ -92,7 +93,7 @@ class ServeConfig:
             raise ConfigError(f"serve.max_queue must be an int >= 1, got {self.max_queue!r}")
         if self.batch_wait_ms < 0:
             raise ConfigError(f"serve.batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
-        for key in ("max_request_bytes", "max_prompt_chars", "retry_after_s"):
+        for key in ("max_request_bytes", "max_prompt_chars", "retry_after_s", "max_rows_per_request"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"serve.{key} must be an int >= 1, got {v!r}")
