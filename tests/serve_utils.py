@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Optional, Tuple
 
+import pytest
 import torch
 
 from tests.helpers import tiny_llama
@@ -84,3 +85,26 @@ def live_server(model: torch.nn.Module, tokenizer: Any, name: str = "tiny", api_
         yield srv
     finally:
         srv.stop()
+
+
+# Module-scoped fixtures shared by the server test modules (import them there: pytest finds imported fixtures).
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """A tiny BPE tokenizer trained in the test, saved as a transformers directory."""
+    d = tmp_path_factory.mktemp("tok")
+    train_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    """The tokenizer of :func:`tok_dir`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """A tiny real GPT sized to :func:`tok`."""
+    return tiny_model(tok)

@@ -9,26 +9,8 @@ import openai
 import pytest
 
 from nemo_spec.inference import SamplingParams, generate
-from tests.serve_utils import clone_model, live_server, tiny_model, train_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    train_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model(tok)
+from tests.serve_utils import clone_model, live_server, tiny_model
+from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
 
 def _greedy_text(ref, tok, prompt, max_tokens):
