@@ -27,7 +27,6 @@ Token embeddings come from the frozen base embedding (not a draft parameter).
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -100,13 +99,33 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
     kd, vd = tuple(ks[1:]), tuple(vs[1:])
     if block >= s:
         return _ttt_block(q, ks[0], vs[0], kd, vd, 0, scale, gqa)
-    from torch.utils.checkpoint import checkpoint
-
-    outs = []
-    for a in range(0, s, block):
-        fn = functools.partial(_ttt_block, start=a, scale=scale, gqa=gqa)
-        outs.append(checkpoint(fn, q[:, :, a:a + block], ks[0], vs[0], kd, vd, use_reentrant=False))
+    outs = [_RecomputedTTTBlock.apply(a, scale, gqa, len(kd), q[:, :, a:a + block], ks[0], vs[0], *kd, *vd)
+            for a in range(0, s, block)]
     return torch.cat(outs, dim=2)
+
+
+class _RecomputedTTTBlock(torch.autograd.Function):
+    """One query block of :func:`ttt_attention`, keeping only references to its inputs: the forward runs without
+    autograd, the backward recomputes the block with autograd and returns its input gradients. (Through
+    torch.utils.checkpoint each block's [B, s] mask stayed alive until the backward: s^2/2 bytes per step.)"""
+
+    @staticmethod
+    def forward(ctx, start, scale, gqa, n_later, q, k0, v0, *later):  # type: ignore[override]
+        ctx.meta = (start, scale, gqa, n_later)
+        ctx.save_for_backward(q, k0, v0, *later)
+        with torch.no_grad():
+            return _ttt_block(q, k0, v0, later[:n_later], later[n_later:], start, scale, gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        start, scale, gqa, n_later = ctx.meta
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        q, k0, v0, later = inputs[0], inputs[1], inputs[2], inputs[3:]
+        with torch.enable_grad():
+            out = _ttt_block(q, k0, v0, tuple(later[:n_later]), tuple(later[n_later:]), start, scale, gqa)
+            want = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, want, grad_out, allow_unused=True))
+        return (None, None, None, None) + tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
 class DraftCoreAttention(SDPACoreAttention):
