@@ -362,15 +362,14 @@ class Batcher:
             else:
                 self._run([(req, rows)])
 
-    def _end_rows(self, req: GenRequest, n: int, now: Optional[float] = None) -> None:
+    def _end_rows(self, req: GenRequest, n: int) -> None:
         """Count ``n`` finished rows of ``req``; at its last row record its latency and TTFT (the same set of
         requests: those that received at least one token)."""
         was_done = req.done
         req.rows_done += n
         if req.done and not was_done and req.first_token is not None:
-            now = time.monotonic() if now is None else now
             self.metrics.ttft.observe(req.first_token - req.arrived)
-            self.metrics.latency.observe(now - req.arrived)
+            self.metrics.latency.observe(time.monotonic() - req.arrived)
 
     def _execute(self, batch: List[Slice], progress: List[_SliceProgress]) -> None:
         rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder, _SliceProgress]] = []
