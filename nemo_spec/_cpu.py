@@ -2,8 +2,11 @@
 
 megatron-core calls ``torch.cuda.current_device()`` while building layers (tensor-parallel
 linear layers, embeddings) and ``torch.cuda.synchronize()`` while saving distributed
-checkpoints. On a machine without CUDA both are redirected to CPU equivalents. On a machine
-with CUDA nothing is touched.
+checkpoints, and its local ``DotProductAttention`` enters ``get_cuda_rng_tracker().fork()`` on every
+forward (for attention dropout; megatron/core/tensor_parallel/random.py ``CudaRNGStatesTracker.fork``
+raises "cuda rng state model-parallel-rng is not added" unless a CUDA seed was registered). On a machine
+without CUDA the first two are redirected to CPU equivalents and a fork of a state that was never added
+runs on the default (CPU) generator. On a machine with CUDA nothing is touched.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def apply_cpu_workarounds() -> bool:
         return True
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    _cpu_rng_fork()
     _APPLIED = True
     log.debug("megatron-core CPU workarounds applied (no CUDA device)")
     return True
@@ -34,3 +38,23 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _cpu_rng_fork() -> None:
+    """``CudaRNGStatesTracker.fork(name)`` of a never-added state: run on the default generator (CPU only)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.CudaRNGStatesTracker
+    original = tracker.fork
+    if getattr(original, "_nemo_spec_cpu", False):
+        return
+
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name in self.states_:
+            return original(self, name)
+        return contextlib.nullcontext()
+
+    fork._nemo_spec_cpu = True  # type: ignore[attr-defined]
+    tracker.fork = fork  # type: ignore[assignment]

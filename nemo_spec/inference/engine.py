@@ -114,6 +114,9 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from nemo_spec.models.foreign import require_project_spec
+
+        require_project_spec(unwrap(model), "generation")  # up front: never a silently wrong forward
         self._model = weakref.ref(model)
         self._target = weakref.ref(unwrap(model))
         self.cfg = model_config(model)

@@ -80,8 +80,11 @@ def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _supported_attention(attn: torch.nn.Module) -> bool:
+    from nemo_spec.models.attention import SDPACoreAttention
+
     cfg = attn.config
-    return (isinstance(getattr(attn, "q_layernorm", None) or IdentityOp(), IdentityOp)
+    return (isinstance(attn.core_attention, SDPACoreAttention)
+            and isinstance(getattr(attn, "q_layernorm", None) or IdentityOp(), IdentityOp)
             and isinstance(getattr(attn, "k_layernorm", None) or IdentityOp(), IdentityOp)
             and cfg.num_query_groups >= parallel.tp_size()
             and not getattr(attn.linear_qkv, "skip_bias_add", False)
@@ -138,6 +141,11 @@ def mlp(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def layer_forward(layer: torch.nn.Module, h: torch.Tensor, ctx: Any) -> torch.Tensor:
     """One TransformerLayer on [s, b, h]; falls back to the module forward when not supported."""
     if not supported(layer):
+        from nemo_spec.models.attention import SDPACoreAttention
+
+        if not isinstance(getattr(layer.self_attention, "core_attention", None), SDPACoreAttention):
+            raise TypeError(f"{type(layer.self_attention.core_attention).__name__} is not nemo_spec's core "
+                            "attention: it cannot take an AttnContext (see nemo_spec.models.foreign)")
         out, _ = layer(hidden_states=h, attention_mask=ctx)
         return out
     h = h + self_attention(layer.self_attention, norm(layer.input_layernorm, h), ctx)

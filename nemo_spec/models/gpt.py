@@ -10,7 +10,7 @@ from megatron.core.models.gpt import GPTModel
 
 from nemo_spec._cpu import apply_cpu_workarounds, default_device
 from nemo_spec.config import ModelConfig
-from nemo_spec.models import fastpath
+from nemo_spec.models import fastpath, foreign
 from nemo_spec.models.attention import AttnContext, KVCache
 from nemo_spec.models.spec import layer_spec, transformer_config
 from nemo_spec import parallel
@@ -132,6 +132,13 @@ def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[A
     """
     m = unwrap(model)
     b, s = input_ids.shape
+    if not foreign.is_project_spec(m):  # another layer spec: its own forward, hidden states captured by hooks
+        if ctx is not None and (ctx.cache is not None or ctx.mask is not None or not _default_positions(ctx, s)):
+            foreign.require_project_spec(m, "a forward with a KV cache, a mask or explicit positions")
+        out = foreign.foreign_forward(m, input_ids, aux_layers, compute_logits=compute_logits, gather=gather)
+        if out.logits is not None and last_logits_only:
+            out.logits = out.logits[:, -1:]
+        return out
     fast = fastpath.active() if fast is None else fast
     if ctx is None:
         ctx = AttnContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s))
@@ -158,11 +165,18 @@ def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[A
     return GPTOutput(logits=logits, hidden=h.transpose(0, 1), aux_hidden=[a.transpose(0, 1) for a in aux])
 
 
+def _default_positions(ctx: AttnContext, s: int) -> bool:
+    """Whether ``ctx`` asks for positions 0..s-1 in every row (what a megatron-spec forward applies)."""
+    pos = ctx.position_ids
+    return pos.shape[-1] == s and bool((pos == torch.arange(s, device=pos.device)).all())
+
+
 def new_kv_cache(model: torch.nn.Module, batch_size: int, max_len: int, num_layers: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None) -> KVCache:
     """Allocate a KV cache shaped for ``model``'s attention layers on this TP rank."""
     cfg = model_config(model)
     tp = parallel.tp_size()
+    foreign.require_project_spec(unwrap(model), "a KV cache (generation)")
     p = next(unwrap(model).parameters())
     return KVCache(num_layers or cfg.num_layers, batch_size, max_len, cfg.num_query_groups // tp, cfg.head_dim,
                    dtype or p.dtype, p.device)

@@ -39,7 +39,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from nemo_spec._mcore import ensure_metadata, sharded_state_dict_default
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
@@ -196,7 +196,7 @@ class EagleDraft(MegatronModule):
             first = self.layers[0]
             attn = first.self_attention
             attn.linear_qkv = ColumnParallelLinear(
-                2 * h, attn.linear_qkv_out_dim, config=tcfg, init_method=tcfg.init_method, gather_output=False,
+                2 * h, attn.query_projection_size + 2 * attn.kv_projection_size, config=tcfg, init_method=tcfg.init_method, gather_output=False,
                 bias=tcfg.add_bias_linear or tcfg.add_qkv_bias, skip_bias_add=False, is_expert=False)
             first.hidden_norm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
             self.final_layernorm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
@@ -311,7 +311,7 @@ class EagleDraft(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Distributed-checkpoint view: TP-sharded layers/head, replicated fc/norms/d2t."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_metadata(metadata)
         out = {}
         for name, module in self.named_children():
             if name == "layers":

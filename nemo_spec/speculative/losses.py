@@ -153,12 +153,25 @@ def _softmax_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return probs, top
 
 
+def add_token_losses(tok: Optional[torch.Tensor], rows: torch.Tensor, mask: torch.Tensor, offset: int,
+                     weight: float = 1.0) -> None:
+    """Add ``weight * rows * mask`` ([n, b], row t) into the per-token loss ``tok`` [b, s] at position t + offset:
+    megatron's label position, whose label is the token the row predicts (label p = token p + 1)."""
+    if tok is None:
+        return
+    n = min(rows.shape[0], tok.shape[1] - offset)
+    if n > 0:
+        tok[:, offset:offset + n] += weight * (rows[:n].float() * mask[:n].to(torch.float32)).t()
+
+
 def eagle1_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
-                  ce_weight: float = 0.1, return_logits: bool = False) -> Dict[str, object]:
+                  ce_weight: float = 0.1, return_logits: bool = False,
+                  token_loss: bool = False) -> Dict[str, object]:
     """EAGLE-1: SmoothL1(draft hidden, next base feature) + ce_weight * soft CE through the frozen head.
 
     Row t (t < s - 2, ``loss_mask`` at t + 2 set) is scored against the base at t + 1; the vocabulary-sized part
-    works on row ranges of the [s, b] tensors the models produce.
+    works on row ranges of the [s, b] tensors the models produce. ``token_loss``: also the unnormalised per-token
+    loss [b, s] by megatron label position (row t at t + 1), which a masked token mean reduces.
     """
     b, s = input_ids.shape
     feats = out.hidden.detach()
@@ -178,6 +191,11 @@ def eagle1_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
         acc = masked_mean((pred.view(n, b) == top.view(n, b)).float(), mask_sb)
     res: Dict[str, object] = {"loss": loss, "step_losses": [loss.detach()], "step_acc": [acc],
                               "reg_loss": reg_l.detach(), "ce_loss": ce_l.detach()}
+    if token_loss:
+        tok = torch.zeros(b, s, dtype=torch.float32, device=input_ids.device)
+        add_token_losses(tok, reg.t()[:n], mask.t()[:n], 1)
+        add_token_losses(tok, ce.view(n, b), mask_sb, 1, ce_weight)
+        res["token_loss"] = tok
     if return_logits:
         res.update(base_logits=base_logits, step_logits=[logits])
     return res
@@ -231,12 +249,15 @@ def _chunked_head_ce(head: torch.nn.Module, x: torch.Tensor,
 
 
 def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
-                  ttt_steps: int, decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
+                  ttt_steps: int, decay: float = 0.8, return_logits: bool = False,
+                  token_loss: bool = False) -> Dict[str, object]:
     """EAGLE-3 training-time test: ``ttt_steps`` unrolled steps, soft CE vs the base restricted to the draft vocab.
 
     Step i, row t (t < s - 2 - i) is scored against the base distribution at t + 1 + i where ``loss_mask`` at
     t + 2 + i is set and the base's top token there is in the draft vocabulary. Work happens in the [s, b] row
     order the models produce, on row ranges (no shifted copies; rows past the end are not scored).
+    ``token_loss``: also the per-token loss [b, s] (sum over steps of decay^i * CE, step i row t at label position
+    t + 1 + i), which a masked token mean reduces.
     """
     b, s = input_ids.shape
     feats = model.fuse(model.base_features(out))
@@ -249,6 +270,7 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     step_losses: List[torch.Tensor] = []
     step_acc: List[torch.Tensor] = []
     step_logits: List[torch.Tensor] = []
+    tok = torch.zeros(b, s, dtype=torch.float32, device=input_ids.device) if token_loss else None
     for i in range(ttt_steps):
         ctx.position_ids = (torch.arange(s, device=input_ids.device) + i)[None].expand(b, s)
         if REFERENCE_FORMULATION:
@@ -268,12 +290,15 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
             mask = mask & in_vocab[1 + i: 1 + i + n]
         loss_i = masked_mean(ce.view(n, b), mask)
         total = total + (decay ** i) * loss_i
+        add_token_losses(tok, ce.view(n, b), mask, 1 + i, decay ** i)
         with torch.no_grad():
             step_acc.append(masked_mean((pred.view(n, b) == top[1 + i: 1 + i + n]).float(), mask))
         step_losses.append(loss_i.detach())
         if return_logits:
             step_logits.append(logits)
     res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
+    if tok is not None:
+        res["token_loss"] = tok
     if return_logits:
         base_logits = out.logits if out.logits is not None else (
             _base_logit_rows(model, out)[0](0, s * b).view(s, b, -1).transpose(0, 1))
@@ -304,11 +329,12 @@ def vocab_parallel_argmax(local_logits: torch.Tensor) -> torch.Tensor:
 
 
 def medusa_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
-                  decay: float = 0.8, return_logits: bool = False) -> Dict[str, object]:
+                  decay: float = 0.8, return_logits: bool = False, token_loss: bool = False) -> Dict[str, object]:
     """Medusa: per-head cross-entropy against the ground-truth token k+2 ahead, weighted decay^k.
 
     Logits stay vocab-parallel (megatron's ``vocab_parallel_cross_entropy``): K heads x full vocabulary are
-    never gathered unless ``return_logits``.
+    never gathered unless ``return_logits``. ``token_loss``: also the per-token loss [b, s] (head k row t at label
+    position t + k + 1).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -318,15 +344,20 @@ def medusa_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     total = torch.zeros((), device=input_ids.device)
     step_losses: List[torch.Tensor] = []
     step_acc: List[torch.Tensor] = []
+    b, s = input_ids.shape
+    tok = torch.zeros(b, s, dtype=torch.float32, device=input_ids.device) if token_loss else None
     for k in range(local.shape[0]):
         target = shift_left(input_ids, k + 2)
         mask = shifted_mask(loss_mask, k + 2)
         ce = vocab_parallel_cross_entropy(local[k].float().clone(), target)  # it works in place on its input
         loss_k = masked_mean(ce, mask)
         total = total + (decay ** k) * loss_k
+        add_token_losses(tok, ce.t(), mask.t(), k + 1, decay ** k)
         step_losses.append(loss_k.detach())
         step_acc.append(masked_mean((vocab_parallel_argmax(local[k]) == target).float(), mask))
     res: Dict[str, object] = {"loss": total, "step_losses": step_losses, "step_acc": step_acc}
+    if tok is not None:
+        res["token_loss"] = tok
     if return_logits:
         res.update(base_logits=out.logits.detach() if out.logits is not None else None,
                    step_logits=[gather_vocab(x) for x in local.unbind(0)])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from nemo_spec._mcore import ensure_metadata, sharded_state_dict_default
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
@@ -62,7 +62,7 @@ class MedusaHead(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Replicated residual blocks + vocab-parallel output layer."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_metadata(metadata)
         out = {}
         for j, block in enumerate(self.blocks):
             out.update(sharded_state_dict_default(block, f"{prefix}blocks.{j}.", sharded_offsets, metadata,
@@ -101,7 +101,7 @@ class MedusaHeads(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Per-head sharded state."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_metadata(metadata)
         out = {}
         for k, head in enumerate(self.heads):
             out.update(head.sharded_state_dict(f"{prefix}heads.{k}.", sharded_offsets, metadata))

@@ -7,11 +7,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from nemo_spec._mcore import ensure_metadata
 
 from nemo_spec import parallel
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models.attention import AttnContext, KVCache
+from nemo_spec.models import foreign
 from nemo_spec.models.gpt import GPTOutput, gpt_forward
 from nemo_spec.speculative import losses
 from nemo_spec.speculative.eagle import EagleDraft
@@ -187,11 +188,13 @@ class SpeculativeGPT(MegatronModule):
     # ---- training -------------------------------------------------------------------------------------------
     def training_losses(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                         base_out: Optional[GPTOutput] = None, decay: float = 0.8, ttt_steps: Optional[int] = None,
-                        eagle1_ce_weight: float = 0.1, return_logits: bool = False) -> Dict[str, object]:
+                        eagle1_ce_weight: float = 0.1, return_logits: bool = False,
+                        token_loss: bool = False) -> Dict[str, object]:
         """Draft losses for a batch: {"loss", "step_losses", "step_acc", (+ "base_logits", "step_logits")}.
 
         ``loss_mask[b, p]`` marks tokens that are training targets (default: all). The base runs under no_grad
         unless ``base_out`` (offline mode: gathered logits, final hidden, aux hiddens for EAGLE-3) is given.
+        ``token_loss`` adds "token_loss" [b, s]: the per-token loss by megatron label position (see losses).
         """
         if loss_mask is None:
             loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -200,19 +203,65 @@ class SpeculativeGPT(MegatronModule):
         # EAGLE-3 needs the base logits only row block by row block (eagle3_targets computes them from the
         # final hidden states), so the [b, s, V] tensor is not built for it
         out = base_out if base_out is not None else losses.base_outputs(
-            self, input_ids, compute_logits=self.algorithm != "eagle3" or losses.REFERENCE_FORMULATION)
+            self, input_ids, compute_logits=self._base_logits_needed())
         if self.algorithm == "eagle1":
             return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
-                                        return_logits=return_logits)
+                                        return_logits=return_logits, token_loss=token_loss)
         if self.algorithm == "eagle3":
             return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
-                                        decay=decay, return_logits=return_logits)
-        return losses.medusa_losses(self, input_ids, loss_mask, out, decay=decay, return_logits=return_logits)
+                                        decay=decay, return_logits=return_logits, token_loss=token_loss)
+        return losses.medusa_losses(self, input_ids, loss_mask, out, decay=decay, return_logits=return_logits,
+                                    token_loss=token_loss)
 
-    def forward(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                base_out: Optional[GPTOutput] = None, **kwargs) -> Dict[str, object]:
-        """Same as :meth:`training_losses`."""
-        return self.training_losses(input_ids, loss_mask, base_out, **kwargs)
+    def _base_logits_needed(self) -> bool:
+        return self.algorithm != "eagle3" or losses.REFERENCE_FORMULATION
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, inference_context: object = None,
+                packed_seq_params: object = None, *, loss_mask: Optional[torch.Tensor] = None,
+                base_out: Optional[GPTOutput] = None, **kwargs) -> object:
+        """megatron GPTModel's signature (what NeMo's ``llm.GPTModel`` and megatron schedules call).
+
+        With ``labels`` (training through NeMo / megatron): the per-token draft loss [b, s] in fp32 by label
+        position, as GPTModel returns its per-token LM loss, for the caller's masked token mean (the labels'
+        values are not used: the draft's targets are the base's own predictions). The base runs under no_grad
+        through its own forward with the given ``position_ids`` / ``attention_mask``. Without ``labels``: the
+        dict of :meth:`training_losses` (``loss_mask``, ``base_out`` and its keyword options).
+        """
+        if decoder_input is not None:
+            raise ValueError("SpeculativeGPT does not take decoder_input (pipeline parallelism is not supported: "
+                             "run the draft with the whole base on one pipeline stage)")
+        if inference_context is not None:
+            raise ValueError("SpeculativeGPT.forward is for training; generate with nemo_spec.inference")
+        if packed_seq_params is not None:
+            raise ValueError("SpeculativeGPT does not support packed sequences (packed_seq_params); train the draft "
+                             "on unpacked batches")
+        if base_out is None and (position_ids is not None or attention_mask is not None) \
+                and not foreign.is_project_spec(self.gpt):
+            with torch.no_grad():
+                base_out = foreign.foreign_forward(self.gpt, input_ids, self.aux_layers,
+                                                   compute_logits=self._base_logits_needed(),
+                                                   position_ids=position_ids,
+                                                   attention_mask=attention_mask if attention_mask is not None
+                                                   else "causal")
+        if labels is None:
+            return self.training_losses(input_ids, loss_mask, base_out, **kwargs)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        res = self.training_losses(input_ids, loss_mask, base_out, token_loss=True, **kwargs)
+        self.last_losses = {k: v for k, v in res.items() if k in ("step_losses", "step_acc")}
+        return res["token_loss"]
+
+    # ---- megatron / NeMo plumbing ---------------------------------------------------------------------------
+    @property
+    def model_type(self):
+        """The base's megatron ``ModelType`` (megatron schedules look it up on the wrapped model)."""
+        return self.gpt.model_type
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline input hand-off (megatron schedules call it every step): delegated to the base."""
+        self.gpt.set_input_tensor(input_tensor)
 
     # ---- checkpointing --------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
@@ -221,7 +270,7 @@ class SpeculativeGPT(MegatronModule):
         Dict keys follow ``state_dict()`` (``gpt.*``) so that ``load_state_dict`` accepts what
         ``dist_checkpointing.load`` returns.
         """
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_metadata(metadata)
         base = self.gpt.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
         out = {f"{prefix}gpt.{k[len(prefix):]}": v for k, v in base.items()}
         name = self.draft_prefix

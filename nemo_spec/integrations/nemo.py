@@ -1,0 +1,109 @@
+"""NeMo 2 integration: ``llm.train(..., model_transform=SpeculativeTransform(...))`` trains the draft.
+
+Importable only where NeMo 2 (``nemo_toolkit[llm]`` 2.7.x) is installed::
+
+    from nemo.collections import llm
+    from nemo_spec.integrations.nemo import SpeculativeTransform
+
+    llm.train(model=model, data=data, trainer=trainer,
+              model_transform=SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0))
+
+NeMo applies a plain ``model_transform`` callable at ``on_train_epoch_start``
+(nemo/lightning/pytorch/callbacks/model_transform.py ``ModelTransform.on_train_epoch_start``), after
+``MegatronStrategy.setup`` wrapped the model in DDP and built the optimizer (megatron_strategy.py
+``setup_megatron_parallel``): a draft added then is never optimised. This class is a NeMo ``ModelTransform``
+callback (``llm.train`` registers it as one, api.py ``_setup``) that attaches the draft right after the
+LightningModule's ``configure_model`` builds the megatron module, i.e. before DDP, the optimizer and any
+checkpoint restore: the optimizer holds exactly the draft, NeMo's checkpoints hold base + draft and resume.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+try:
+    from nemo.lightning.pytorch.callbacks.model_transform import ModelTransform
+except ImportError as e:  # pragma: no cover - exercised where NeMo is absent
+    raise ImportError(
+        "nemo_spec.integrations.nemo needs NeMo 2's LLM collection (nemo_toolkit[llm] 2.7.x); see README "
+        f"'NeMo 2' for the tested pins ({e})") from e
+
+from nemo_spec.config import ConfigError
+from nemo_spec.models.gpt import unwrap_speculative
+from nemo_spec.speculative.transform import SpeculativeTransform as _BaseTransform
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SpeculativeTransform"]
+
+
+class SpeculativeTransform(_BaseTransform, ModelTransform):
+    """:class:`nemo_spec.speculative.SpeculativeTransform` as a NeMo 2 ``model_transform`` (same arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _BaseTransform.__init__(self, *args, **kwargs)
+        ModelTransform.__init__(self)
+        self._applied = False
+
+    # Lightning runs callbacks' setup before LightningModule.configure_model (trainer.py _run: _call_setup_hook,
+    # then _call_configure_model, then strategy.setup), so wrapping configure_model here attaches the draft as
+    # soon as NeMo builds its megatron module
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Arrange for the draft to be attached right after ``pl_module.configure_model``."""
+        if self._applied or getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
+            return
+        original = pl_module.configure_model
+
+        @functools.wraps(original)
+        def configure_model(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self._attach(pl_module)
+            return out
+
+        configure_model._nemo_spec_wrapped = True  # type: ignore[attr-defined]
+        pl_module.configure_model = configure_model
+        if hasattr(pl_module, "module"):  # already configured (e.g. a model built by hand before llm.train)
+            self._attach(pl_module)
+
+    def _attach(self, pl_module: Any) -> None:
+        if self._applied:
+            return
+        if not hasattr(pl_module, "module"):
+            raise ConfigError(f"{type(pl_module).__name__}.configure_model did not create .module; "
+                              "SpeculativeTransform needs NeMo's megatron module")
+        _BaseTransform.__call__(self, pl_module)
+        spec = unwrap_speculative(pl_module)
+        if spec is None:
+            raise ConfigError(f"no SpeculativeGPT inside {type(pl_module).__name__} after the transform")
+        self._applied = True
+        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        log.info("nemo_spec: %s draft attached to %s before DDP/optimizer: %d trainable parameters (draft only)",
+                 spec.algorithm, type(pl_module).__name__, trainable)
+
+    def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Used as a plain callable (or by NeMo's own hook): attach the draft, refusing after the optimizer exists."""
+        if self._applied:
+            return model
+        trainer = getattr(model, "_trainer", None) or getattr(getattr(model, "trainer", None), "__self__", None)
+        if trainer is not None and getattr(trainer, "optimizers", None):
+            raise ConfigError("SpeculativeTransform applied after the optimizer was built: the draft would never "
+                              "train. Pass it as llm.train(..., model_transform=SpeculativeTransform(...)) so it "
+                              "runs at configure_model")
+        return _BaseTransform.__call__(self, model)
+
+    # NeMo's ModelTransform applies the transform at epoch start; ours is already attached by then
+    def _maybe_apply_transform(self, trainer: Any) -> None:
+        if not self._applied:
+            raise ConfigError("SpeculativeTransform was not applied at configure_model (was it registered as a "
+                              "callback before trainer.fit? pass it to llm.train(model_transform=...))")
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the draft is attached and is what the optimizer holds."""
+        self._maybe_apply_transform(trainer)
+
+    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the draft is attached."""
+        self._maybe_apply_transform(trainer)
