@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast quickstart clean
+.PHONY: venv test test-fast test-nemo quickstart clean
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +18,23 @@ venv: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
+# NeMo 2 integration suite in its own environment (NeMo 2.7.3 pins lightning 2.4, numpy < 2, megatron-core 0.15)
+NEMO_VENV ?= .venv-nemo
+NEMO_STAMP := $(NEMO_VENV)/.installed
+NEMO_TESTS := tests/nemo tests/test_foreign_spec.py tests/test_speculative.py tests/test_training.py
+
+$(NEMO_STAMP): setup.py tests/nemo/requirements.txt tests/nemo/constraints.txt
+	test -x $(NEMO_VENV)/bin/python || $(PY) -m venv $(NEMO_VENV)
+	$(NEMO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEMO_VENV)/bin/python -m pip install -q -r tests/nemo/requirements.txt -c tests/nemo/constraints.txt
+	$(NEMO_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(NEMO_STAMP)
+
+test-nemo: $(NEMO_STAMP)
+	OMP_NUM_THREADS=1 $(NEMO_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEMO_TESTS)
+
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) .pytest_cache

@@ -291,18 +291,6 @@ def test_model_config_derived_for_foreign_gpt_model(make):
     assert model_config(m) == derived
 
 
-def test_nemo2_gpt_model_optional():
-    pytest.importorskip("nemo.collections.llm", reason="nemo_toolkit (NeMo 2 LLM collection) not installed")
-    from nemo.collections import llm
-
-    cfg = llm.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                        seq_length=64, vocab_size=96)
-    model = llm.GPTModel(cfg)
-    model.configure_model()
-    out = SpeculativeTransform(algorithm="eagle1")(model)
-    assert isinstance(out.module, SpeculativeGPT)
-
-
 @pytest.mark.parametrize("alg", ALGS)
 def test_gpt2_family_base(alg):
     """Learned positions, LayerNorm, GELU, biases and tied embeddings: drafts build, run, and get gradients."""

@@ -91,10 +91,14 @@ def _check_dir(path: PathLike) -> Path:
 
 
 def detect_format(path: PathLike) -> str:
-    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist' or 'hf'."""
+    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'nemo2' or 'hf'."""
     p = _check_dir(path)
     if (p / CONFIG_NAME).is_file():
         return FORMAT_NAME
+    from nemo_spec.checkpoint import nemo2
+
+    if nemo2.is_nemo2_dir(p):
+        return "nemo2"
     from nemo_spec.checkpoint import legacy
 
     kind = legacy.detect(p)
@@ -115,13 +119,13 @@ def detect_format(path: PathLike) -> str:
         raise CheckpointError(
             f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME} "
             f"and its common.pt holds no Megatron-LM 'args'")
-    if (p / "weights" / DIST_METADATA).is_file() and (p / "context").is_dir():
-        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint (context/ + weights/): its model config is a "
-                              f"NeMo-serialised object this package does not read; export it to Hugging Face format "
-                              f"with NeMo and load that directory")
+    if (p / "context").is_dir() and (p / "weights").is_dir():
+        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint (context/ + weights/) but weights/{DIST_METADATA} "
+                              f"is missing: the save did not finish")
     raise CheckpointError(
         f"unrecognised checkpoint directory {p}: looked for {CONFIG_NAME} (nemo_spec torch_dist), "
         f"latest_checkpointed_iteration.txt / iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt (Megatron-LM), "
+        f"context/ + weights/ (NeMo 2), "
         f"config.json with 'architectures' (Hugging Face); found {found}")
 
 
@@ -154,6 +158,10 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
         from nemo_spec.checkpoint import legacy
 
         return legacy.read_config(p)
+    if fmt == "nemo2":
+        from nemo_spec.checkpoint import nemo2
+
+        return nemo2.read_config(p)
     hf = _import_hf()
     hf_cfg = json.loads((p / "config.json").read_text())
     cfg = hf.hf_to_model_config(hf_cfg, str(p / "config.json"))
@@ -206,6 +214,10 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
         from nemo_spec.checkpoint import legacy
 
         return legacy.tokenizer_dir_from_args(p)
+    if fmt == "nemo2":
+        from nemo_spec.checkpoint import nemo2
+
+        return nemo2.tokenizer_dir(p)
     return None
 
 
@@ -501,7 +513,7 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], bas
 
 def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                base_only: bool = False) -> torch.nn.Module:
-    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM or Hugging Face checkpoint directory.
+    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, NeMo 2 or Hugging Face checkpoint directory.
 
     The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
     when it differs); weights are resharded exactly from whatever TP size the checkpoint was saved with.
@@ -517,6 +529,10 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
         from nemo_spec.checkpoint import legacy
 
         return legacy.load_megatron_lm(p, tp_size=tp_size, dtype=dtype)
+    if fmt == "nemo2":
+        from nemo_spec.checkpoint import nemo2
+
+        return nemo2.load_nemo2(p, tp_size=tp_size, dtype=dtype)
     hf = _import_hf()
     tp = _target_tp(tp_size)
     cfg = read_checkpoint_config(p)

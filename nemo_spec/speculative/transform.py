@@ -197,8 +197,18 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
         rope_base = 10000.0
     if not hasattr(c, "nemo_rope") and rope and getattr(gpt, "rotary_pos_emb", None) is not None:
         inv = gpt.rotary_pos_emb.inv_freq
-        if inv.numel() > 1:  # inv_freq[1] = base^(-2/d)
+        if inv.numel() > 1:  # inv_freq[1] = base^(-2/d) (a high frequency: no Llama-3 scaling applies to it)
             rope_base = float(inv[1].double() ** (-c.kv_channels / 2.0))
+        rotary_base = getattr(c, "rotary_base", None) or getattr(gpt.rotary_pos_emb, "rotary_base", None)
+        if rotary_base:
+            rope_base = float(rotary_base)
+        if getattr(c, "scale_factor", None) and getattr(c, "old_context_len", None):
+            # NeMo's Llama31Config scales inv_freq after building (nemo/collections/llm/gpt/model/llama.py
+            # apply_rope_scaling), with the HF 'llama3' rule
+            rope_scaling = {"rope_type": "llama3", "factor": float(c.scale_factor),
+                            "low_freq_factor": float(getattr(c, "low_freq_factor", 1.0)),
+                            "high_freq_factor": float(getattr(c, "high_freq_factor", 4.0)),
+                            "original_max_position_embeddings": int(c.old_context_len)}
     if c.gated_linear_unit:
         activation = "swiglu"
     else:

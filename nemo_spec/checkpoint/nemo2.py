@@ -1,0 +1,203 @@
+"""NeMo 2 checkpoint directories (``context/`` + ``weights/``), read without NeMo installed.
+
+Layout (as NeMo 2.7 writes it, nemo/lightning/io/pl.py ``MegatronCheckpointIO`` + ``TrainerContext``)::
+
+    <ckpt>/context/model.yaml      the LightningModule's config tree (``config:`` = its GPTConfig fields)
+    <ckpt>/context/io.json         the same, fiddle-serialised (not read here)
+    <ckpt>/context/<dir>/          the tokenizer artifacts (HF files), named by ``tokenizer.pretrained_model_name``
+    <ckpt>/weights/                megatron ``torch_dist`` (keys ``module.<GPTModel key>``, layers stacked,
+                                   local-spec norms under TE names ``linear_qkv.layer_norm_weight``)
+
+The architecture comes from ``model.yaml`` (anything nemo_spec's layer spec cannot represent is refused, naming
+the field), the padded vocabulary from the weights' metadata; weights load at any TP size through
+``dist_checkpointing`` with our keys mapped onto the checkpoint's (``legacy._dist_sharded_state_dict``).
+A draft trained through NeMo (``module.eagle_module.*`` / ``module.medusa_heads.*``) is not restored from here
+(its settings are not in the checkpoint): the base loads and a warning says so.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from nemo_spec.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+
+
+def is_nemo2_dir(p: Path) -> bool:
+    """Whether ``p`` is a NeMo 2 checkpoint directory (``context/`` and a complete ``weights/``)."""
+    return (p / "context").is_dir() and (p / "weights" / "metadata.json").is_file()
+
+
+def _errors():
+    from nemo_spec.checkpoint.megatron import CheckpointConfigError, CheckpointError
+
+    return CheckpointError, CheckpointConfigError
+
+
+def _read_yaml(p: Path) -> Dict[str, Any]:
+    import yaml
+
+    CheckpointError, _ = _errors()
+    f = p / "context" / "model.yaml"
+    if not f.is_file():
+        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint but has no context/model.yaml")
+    try:
+        doc = yaml.safe_load(f.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{f}: cannot parse ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        raise CheckpointError(f"{f}: no 'config' mapping (the model's GPTConfig)")
+    return doc
+
+
+def _target(v: Any) -> str:
+    return str(v.get("_target_", "")) if isinstance(v, dict) else str(v or "")
+
+
+def _vocab_from_weights(wdir: Path, source: str) -> int:
+    from megatron.core import dist_checkpointing
+
+    CheckpointError, _ = _errors()
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(wdir))
+    except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable checkpoint
+        raise CheckpointError(f"{wdir}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from e
+    for k, v in meta.items():
+        if k.endswith("embedding.word_embeddings.weight"):
+            return int(v.global_shape[0])
+    raise CheckpointError(f"{wdir}: no embedding.word_embeddings.weight tensor (is {source} a GPT checkpoint?)")
+
+
+def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
+    """Map a NeMo GPTConfig (``model.yaml`` ``config:``) to a ModelConfig; unsupported features raise naming them."""
+    _, CheckpointConfigError = _errors()
+
+    def unsupported(what: str, fld: str) -> Exception:
+        return CheckpointConfigError(f"{source}: unsupported architecture: {what} (config.{fld}={c.get(fld)!r})")
+
+    for fld in ("num_layers", "hidden_size", "num_attention_heads"):
+        if not isinstance(c.get(fld), int):
+            raise CheckpointConfigError(f"{source}: config.{fld} is missing or not an int")
+    for fld, what in (("num_moe_experts", "mixture of experts"), ("qk_layernorm", "QK layer norm"),
+                      ("multi_latent_attention", "multi-latent attention"),
+                      ("rotary_interleaved", "interleaved RoPE"), ("mtp_num_layers", "multi-token prediction"),
+                      ("apply_residual_connection_post_layernorm", "post-norm residuals"),
+                      ("layernorm_zero_centered_gamma", "zero-centred layer norm")):
+        if c.get(fld):
+            raise unsupported(what, fld)
+    if float(c.get("rotary_percent", 1.0) or 1.0) != 1.0:
+        raise unsupported("partial RoPE", "rotary_percent")
+    pos = c.get("position_embedding_type", "rope")
+    if pos not in ("rope", "learned_absolute"):
+        raise unsupported(f"position embedding {pos!r}", "position_embedding_type")
+    norm = c.get("normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise unsupported(f"normalization {norm!r}", "normalization")
+    act_name = _target(c.get("activation_func")).rsplit(".", 1)[-1]
+    gated = bool(c.get("gated_linear_unit", False))
+    if gated:
+        if act_name != "silu":
+            raise unsupported(f"gated MLP with {act_name}", "activation_func")
+        act = "swiglu"
+    elif act_name == "gelu":
+        act = "gelu_exact"
+    elif act_name in ("openai_gelu", "fast_gelu", "bias_gelu_impl", "gelu_impl", "quick_gelu"):
+        if act_name == "quick_gelu":
+            raise unsupported("quick GELU", "activation_func")
+        act = "gelu"
+    else:
+        raise unsupported(f"activation {act_name or c.get('activation_func')!r}", "activation_func")
+    rope_scaling = None
+    if "scale_factor" in c and "old_context_len" in c:  # Llama31Config and subclasses (llama.py apply_rope_scaling)
+        rope_scaling = {"rope_type": "llama3", "factor": float(c["scale_factor"]),
+                        "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
+                        "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
+                        "original_max_position_embeddings": int(c["old_context_len"])}
+    elif c.get("seq_len_interpolation_factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(c["seq_len_interpolation_factor"])}
+    learned = pos == "learned_absolute"
+    heads = int(c["num_attention_heads"])
+    d = dict(
+        vocab_size=vocab, hidden_size=int(c["hidden_size"]), num_layers=int(c["num_layers"]),
+        num_attention_heads=heads, ffn_hidden_size=int(c.get("ffn_hidden_size") or 4 * int(c["hidden_size"])),
+        num_query_groups=int(c["num_query_groups"]) if c.get("num_query_groups") else None,
+        head_dim=int(c["kv_channels"]) if c.get("kv_channels") else None,
+        max_position_embeddings=int(c.get("seq_length") or c.get("max_position_embeddings") or 2048),
+        family="gpt2" if (learned and norm == "LayerNorm" and not gated) else "llama",
+        normalization=norm, norm_eps=float(c.get("layernorm_epsilon", 1e-5)), activation=act,
+        position_embedding="learned" if learned else "rope", rope_theta=float(c.get("rotary_base", 10000)),
+        rope_scaling=rope_scaling, add_bias_linear=bool(c.get("add_bias_linear", True)),
+        add_qkv_bias=bool(c.get("add_qkv_bias", False)),
+        tie_word_embeddings=bool(c.get("share_embeddings_and_output_weights", True)),
+        init_method_std=float(c.get("init_method_std", 0.02)),
+    )
+    try:
+        return ModelConfig(**d)
+    except ConfigError as e:
+        raise CheckpointConfigError(f"{source}: {e}") from e
+
+
+def tokenizer_dir(p: Path) -> Optional[Path]:
+    """The HF tokenizer directory inside ``context/`` (named by ``tokenizer.pretrained_model_name``), or None."""
+    from nemo_spec.checkpoint.megatron import TOKENIZER_FILES
+
+    ctx = p / "context"
+    cands = []
+    try:
+        tok = _read_yaml(p).get("tokenizer") or {}
+        name = tok.get("pretrained_model_name") if isinstance(tok, dict) else None
+        if isinstance(name, str) and name:
+            cands.append(ctx / name)
+    except Exception:  # noqa: BLE001 - a tokenizer is optional
+        pass
+    cands += [ctx / "nemo_tokenizer"] + sorted(x for x in ctx.iterdir() if x.is_dir())
+    for d in cands:
+        if d.is_dir() and any((d / f).is_file() for f in TOKENIZER_FILES):
+            return d
+    return None
+
+
+def read_config(p: Path) -> Dict[str, Any]:
+    """{"format": "nemo2", "model": ModelConfig dict, "params_dtype", "tp_size_saved", "source", "target"}."""
+    doc = _read_yaml(p)
+    source = str(p / "context" / "model.yaml")
+    c = doc["config"]
+    cfg = model_config_from_yaml(c, _vocab_from_weights(p / "weights", source), source)
+    dtype = _target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
+    return {"format": "nemo2", "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
+            "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
+            "target": _target(doc)}
+
+
+def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """Load the base GPTModel of a NeMo 2 checkpoint at the current TP (any saved TP)."""
+    from megatron.core import dist_checkpointing
+
+    from nemo_spec.checkpoint import legacy
+    from nemo_spec.checkpoint.megatron import _ensure_parallel, _target_tp, check_tp, load_dist_into
+    from nemo_spec.models import build_gpt
+
+    info = read_config(p)
+    source = info["source"]
+    cfg = ModelConfig.from_dict(info["model"], source=source)
+    tp = _target_tp(tp_size)
+    check_tp(cfg, tp, source)
+    if dtype is None:
+        dtype = _DTYPES.get(f"torch.{info['params_dtype']}", torch.float32)
+    _ensure_parallel(tp)
+    model = build_gpt(cfg, params_dtype=dtype)
+    wdir = p / "weights"
+    load_dist_into(model, wdir, source, sharded_sd=legacy._dist_sharded_state_dict(model, wdir))
+    drafts = sorted({k.split(".")[1] for k in dist_checkpointing.load_tensors_metadata(str(wdir))
+                     if k.startswith(("module.eagle_module.", "module.medusa_heads."))})
+    if drafts:
+        log.warning("%s also holds a %s draft trained through NeMo; only the base is loaded from a NeMo 2 "
+                    "checkpoint (export the draft from the trained model with nemo_spec.export)", p, drafts[0])
+    log.info("loaded NeMo 2 checkpoint %s (%s, saved tp=%d) at tp=%d", p, info["target"], info["tp_size_saved"], tp)
+    return model

@@ -1,0 +1,193 @@
+"""NeMo 2's own training loop: llm.train(..., model_transform=SpeculativeTransform(...)) on a tiny Llama-style
+llm.LlamaModel, on CPU. Runs NeMo's real classes (MegatronStrategy, MegatronParallel, megatron DDP + optimizer,
+NeMoLogger / ModelCheckpoint, AutoResume); the README's "NeMo 2" snippet is what runs here."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from nemo_spec.models import gpt_forward, unwrap_speculative
+from nemo_spec.models.foreign import foreign_forward, is_project_spec, to_project_spec
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SEQ, STEPS = 32, 4
+
+
+def readme_snippet() -> str:
+    """The python block under README's "NeMo 2" heading that starts with the llm.train import."""
+    text = README.read_text()
+    sec = text[text.index("## NeMo 2"):]
+    block = re.search(r"```python\n(from nemo\.collections import llm\n.*?)```", sec, re.S)
+    assert block, "README's NeMo 2 section has no llm.train snippet"
+    return block.group(1)
+
+
+class Record(pl.Callback):
+    """What the run did: draft/base tensors at train start, the optimizer's parameters, losses, start step."""
+
+    def __init__(self) -> None:
+        self.losses = []
+
+    def on_train_start(self, trainer, pl_module):
+        spec = unwrap_speculative(pl_module)
+        self.spec = spec
+        self.start_step = trainer.global_step
+        self.base0 = {k: v.detach().clone() for k, v in spec.gpt.state_dict().items() if torch.is_tensor(v)}
+        self.draft0 = {k: v.detach().clone() for k, v in spec.draft.named_parameters()}
+        opt = trainer.optimizers[0]
+        groups = getattr(opt, "mcore_optimizer", opt).param_groups
+        self.opt_params = {id(p) for g in groups for p in g["params"]}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
+
+
+def build(tmp: Path, max_steps: int, resume: bool = False):
+    """(namespace for the README snippet, Record callback): tiny Llama model, mock data, CPU trainer."""
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo.collections.llm.gpt.model.llama import Llama3Config
+
+    import cpu_shims
+
+    tok = AutoTokenizer(str(tokenizer_dir(tmp)))
+    config = Llama3Config(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        kv_channels=16, seq_length=SEQ, init_method_std=0.05, make_vocab_size_divisible_by=64,
+        share_embeddings_and_output_weights=False, bf16=False, params_dtype=torch.float32,
+        use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+        # fused kernels need Transformer Engine / CUDA
+        apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False)
+    record = Record()
+    trainer = nl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, log_every_n_steps=1, limit_val_batches=0,
+        num_sanity_val_steps=0, val_check_interval=max_steps, callbacks=[record], logger=False,
+        strategy=nl.MegatronStrategy(tensor_model_parallel_size=1, ckpt_async_save=False),
+        plugins=nl.MegatronMixedPrecision(precision="32"))
+    ns = dict(
+        model=llm.LlamaModel(config, tokenizer=tok),
+        data=cpu_shims.mock_data(seq_length=SEQ, tokenizer=tok, micro_batch_size=2, global_batch_size=2,
+                                 num_workers=0, pin_memory=False),
+        trainer=trainer,
+        # clip_grad=0: megatron/core/optimizer/clip_grads.py:167 asserts CUDA gradients when clipping
+        optim=nl.MegatronOptimizerModule(config=OptimizerConfig(optimizer="adam", lr=5e-3, clip_grad=0.0,
+                                                                use_distributed_optimizer=False)),
+        log=nl.NeMoLogger(log_dir=str(tmp / "logs"), name="draft", use_datetime_version=False,
+                          ckpt=nl.ModelCheckpoint(save_last=True, every_n_train_steps=STEPS, save_top_k=1,
+                                                  monitor="reduced_train_loss")),
+        resume=nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=False) if resume else None,
+    )
+    return ns, record
+
+
+def tokenizer_dir(tmp: Path) -> Path:
+    d = tmp / "tokenizer"
+    if not d.is_dir():
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tk = Tokenizer(models.BPE(unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tk.train_from_iterator(["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.getcwd())\n" * 20],
+                               trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+        PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                unk_token="<unk>").save_pretrained(str(d))
+    return d
+
+
+def run_snippet(ns: dict) -> None:
+    code = readme_snippet()
+    if ns.get("resume") is not None:  # the resumed run: the same call with NeMo's AutoResume
+        code = code.replace("model_transform=", "resume=resume, model_transform=")
+    exec(compile(code, "README.md (NeMo 2 snippet)", "exec"), ns)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nemo_train")
+    ns, record = build(tmp, STEPS)
+    run_snippet(ns)
+    return tmp, ns, record
+
+
+def test_llm_train_trains_exactly_the_draft(first_run):
+    _, ns, rec = first_run
+    spec = rec.spec
+    assert spec is unwrap_speculative(ns["model"])
+    assert rec.opt_params == {id(p) for p in spec.draft_parameters()}  # the optimizer holds exactly the draft
+    for k, v in spec.gpt.state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, rec.base0[k]), f"base tensor {k} changed"
+    unchanged = [k for k, v in spec.draft.named_parameters() if torch.equal(v, rec.draft0[k])]
+    assert not unchanged, f"draft tensors never trained: {unchanged}"
+    assert len(rec.losses) == STEPS and rec.losses[-1] < rec.losses[0], rec.losses
+
+
+def test_base_hidden_states_are_nemos_own_forward(first_run):
+    _, ns, rec = first_run
+    spec = rec.spec
+    gpt = spec.gpt
+    assert not is_project_spec(gpt)  # NeMo's MCoreGPTModel with megatron's local spec (no TE here)
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(SEQ)[None].expand(2, SEQ)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        own = gpt(ids, pos, mask)  # NeMo's MCoreGPTModel forward (RoPE inside, megatron masks)
+        out = gpt_forward(gpt, ids, aux_layers=spec.aux_layers)
+    assert torch.equal(out.logits, own)
+
+
+def test_checkpoint_resumes(first_run):
+    tmp, ns, rec = first_run
+    ns2, rec2 = build(tmp, STEPS + 2, resume=True)
+    run_snippet(ns2)
+    assert rec2.start_step == STEPS
+    for k, v in rec2.draft0.items():  # restored from NeMo's checkpoint: the first run's final draft
+        assert torch.equal(v, dict(rec.spec.draft.named_parameters())[k].detach()), k
+    for k, v in rec2.base0.items():
+        assert torch.equal(v, rec.base0[k]), k
+    assert len(rec2.losses) == 2
+    assert any(not torch.equal(v, rec2.draft0[k]) for k, v in rec2.spec.draft.named_parameters())
+
+
+def test_nemo_checkpoint_loads_in_load_model_with_exact_logits(first_run):
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.checkpoint.megatron import find_tokenizer_dir
+
+    tmp, ns, rec = first_run
+    last = sorted((tmp / "logs" / "draft" / "checkpoints").glob("*-last"))
+    assert last, list((tmp / "logs").rglob("*"))
+    base = load_model(last[-1])
+    assert is_project_spec(base)
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = foreign_forward(rec.spec.gpt, ids).logits
+        got = gpt_forward(base, ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert find_tokenizer_dir(last[-1]) is not None
+
+
+def test_trained_draft_exports_and_generates_losslessly(first_run, tmp_path):
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.export import export_model
+    from nemo_spec.inference import SamplingParams, generate
+
+    _, ns, rec = first_run
+    model = to_project_spec(rec.spec)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompt = [[5, 9, 17, 3, 22, 8]]
+    ar = generate(model, prompt, params, method="ar")[0].tokens
+    eagle = generate(model, prompt, params, method="eagle")[0].tokens
+    assert eagle == ar and len(ar) == 12
+    out = export_model(model, tmp_path / "export", dtype="float32")
+    base = load_model(out / "base")
+    assert generate(base, prompt, params, method="ar")[0].tokens == ar
+    assert (out / "draft").is_dir() or any(out.glob("*eagle*")), sorted(p.name for p in out.iterdir())
