@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_spec.export import ExportError, export_checkpoint, export_model, import_draft
-from nemo_spec.export.engines import EngineMismatch, format_table, rows_ok, verify_export
+from nemo_spec.export.engines import EngineMismatch, format_table, verify_export
 from nemo_spec.export.engines import sglang, vllm
 from nemo_spec.export.engines._llama import base_forward
 from tests.export_utils import make_model

@@ -5,10 +5,11 @@ An export directory holds::
     base/              the base model as a Hugging Face directory (config.json, model.safetensors, tokenizer files,
                        generation_config.json) written by nemo_spec.checkpoint.hf.export_hf, plus a
                        model.safetensors.index.json (the EAGLE reference code finds the embedding through it)
-    draft/             the draft in its reference layout: EAGLE-3 (LlamaForCausalLMEagle3), EAGLE-1 (EAGLE
-                       reference / vLLM EAGLE) or Medusa (FasterDecoding/Medusa medusa_lm_head.*)
-    draft_vllm/        Medusa only: the same heads in vLLM's Medusa layout
-    README.md          how to serve it with vLLM and SGLang (command lines with these paths)
+    draft/<engine>/    target 'all' (default): the draft laid out for each engine that can run it (vllm, sglang,
+                       trtllm, reference), each checked by that engine's conformance reader (export.engines)
+    draft/             a single ``target``: the draft for that engine only
+    draft_vllm_legacy/ Medusa only: the heads in the layout of older vLLM releases (vLLM 0.33 has no Medusa)
+    README.md          per engine: the exact launch command with these paths and the version it was checked against
     export_info.json   what was exported, from which checkpoint, in which dtype
 
 Formats are documented in :mod:`nemo_spec.export.eagle` and :mod:`nemo_spec.export.medusa`. Every export is

@@ -16,7 +16,8 @@ EAGLE-3 (vLLM ``llama_eagle3.py`` / SGLang ``llama_eagle3.py`` / TensorRT-LLM / 
     ``norm.weight`` [h]; ``lm_head.weight`` [Vd, h]; ``d2t`` int64 [Vd] with base_id = draft_id + d2t[draft_id];
     ``t2d`` bool [V] (True for base ids in the draft vocabulary; vLLM/SGLang skip it, the EAGLE code keeps it).
   The residual stream of the mid layer starts from the fused feature (before ``hidden_norm``); the embedding
-  table is not stored (engines share the base's). Extra draft layers (vLLM only) are ``layers.{i}.*``, Llama style.
+  table is not stored (engines share the base's). With several draft layers every layer is ``layers.{i}.*``; per-engine
+  differences (aux-id numbering, hidden_norm of layers >= 1, d2t presence) are in :func:`eagle3_to_engine`.
   ``target_hidden_size`` is left out (draft and base widths are equal; engines default it to ``hidden_size``): with
   it set, the EAGLE reference code expects ``embed_tokens`` inside the draft instead of reading the base's through
   the base's ``model.safetensors.index.json`` (which the export therefore writes next to ``base/model.safetensors``).
@@ -24,8 +25,8 @@ EAGLE-1 (SafeAILab ``cnets1.py`` ``Model`` loaded by ``EaModel`` from ``pytorch_
 ``llama_eagle.py`` ``EagleLlamaForCausalLM`` from safetensors)
   config.json: a plain Llama config (``architectures: ["LlamaForCausalLM"]``) whose ``num_hidden_layers`` is the
   number of draft layers, plus ``bias`` (whether ``fc`` has a bias; EaModel defaults it to true when absent).
-  Tensors: ``embed_tokens.weight`` [V, h] (EaModel loads strictly, so it is stored; vLLM skips it and shares the
-  base's), ``fc.weight`` [h, 2h] over cat([embedding, base final hidden]) and ``fc.bias`` [h] when ``bias``;
+  Tensors: ``embed_tokens.weight`` [V, h] (stored; EaModel loads with strict=False, vLLM keeps a stored table, SGLang
+  shares the base's), ``fc.weight`` [h, 2h] over cat([embedding, base final hidden]) and ``fc.bias`` [h] when ``bias``;
   ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
   ``layers.N.post_attention_layernorm.weight`` and, for N > 0 only, ``layers.N.input_layernorm.weight`` (layer 0
   has none). There is no final norm and no lm_head: the draft's hidden goes straight into the base's lm_head.

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from nemo_spec.export.engines import reference, sglang, trtllm, vllm
-from nemo_spec.export.engines._llama import BaseRun, EngineMismatch, Unsupported, base_forward, read_config
+from nemo_spec.export.engines._llama import BaseRun, EngineMismatch, Unsupported, base_forward
 
 log = logging.getLogger(__name__)
 
