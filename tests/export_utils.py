@@ -129,13 +129,14 @@ def reference_eagle3(draft_dir: Path, base_embed: torch.Tensor, ids: torch.Tenso
     eps = conf["rms_norm_eps"]
     emb = base_embed[ids]
     feat = features @ w["fc.weight"].T
-    h = feat + _attention(torch.cat([_rms(emb, w["midlayer.input_layernorm.weight"], eps),
-                                     _rms(feat, w["midlayer.hidden_norm.weight"], eps)], -1), w, "midlayer.", conf)
-    h = h + _mlp(_rms(h, w["midlayer.post_attention_layernorm.weight"], eps), w, "midlayer.")
+    p = "midlayer." if "midlayer.fc" in w or "midlayer.hidden_norm.weight" in w else "layers.0."
+    h = feat + _attention(torch.cat([_rms(emb, w[p + "input_layernorm.weight"], eps),
+                                     _rms(feat, w[p + "hidden_norm.weight"], eps)], -1), w, p, conf)
+    h = h + _mlp(_rms(h, w[p + "post_attention_layernorm.weight"], eps), w, p)
     for i in range(1, conf["num_hidden_layers"]):
         h = _llama_layer(h, w, f"layers.{i}.", conf, input_norm=True)
     logits = _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T
-    base_ids = torch.arange(w["d2t"].numel()) + w["d2t"]
+    base_ids = torch.arange(w["lm_head.weight"].shape[0]) + w.get("d2t", 0)
     return logits, base_ids, w
 
 

@@ -15,6 +15,7 @@ from tests.export_utils import (
 from tests.helpers import ROOT
 
 B, S = 2, 9
+TARGET = {"eagle3": "vllm", "eagle1": "reference", "medusa": "reference"}  # the single-layout tests below
 
 
 def _save(model, path, tokenizer_dir=None):
@@ -39,7 +40,7 @@ def exported(tmp_path_factory):
     for alg in ALGS:
         model = make_model(alg, seed=0).eval()
         ckpt = _save(model, root / f"ckpt_{alg}", tokenizer_dir=tok if alg == "eagle3" else None)
-        exp = export_checkpoint(ckpt, root / f"exp_{alg}", dtype="fp32")
+        exp = export_checkpoint(ckpt, root / f"exp_{alg}", dtype="fp32", target=TARGET[alg])
         out[alg] = (model, ckpt, exp)
     return out
 
@@ -153,8 +154,8 @@ def test_medusa_layout_and_reference_semantics(exported):
     _, hidden = _inputs(model)
     ref, _ = reference_medusa(draft, hidden)
     assert (ref - our_draft_logits(model, None, hidden)).abs().max() < 1e-4
-    assert detect_draft_format(exp / "draft_vllm") == "medusa_vllm"
-    vw = load_dir_tensors(exp / "draft_vllm", ["model.safetensors"])
+    assert detect_draft_format(exp / "draft_vllm_legacy") == "medusa_vllm"
+    vw = load_dir_tensors(exp / "draft_vllm_legacy", ["model.safetensors"])
     assert torch.equal(vw["blocks.1.layers.0.weight"], w["1.0.linear.weight"])
     assert torch.equal(vw["lm_heads.2.weight"], w["2.1.weight"])
 
@@ -176,11 +177,12 @@ def test_medusa_two_layers_round_trip_through_vllm_layout(tmp_path):
     model = make_model("medusa", seed=2, num_medusa_layers=2).eval()
     holder = torch.nn.Module()  # e.g. a LightningModule holding the transformed model as .model
     holder.model = model
-    exp = export_model(holder, tmp_path / "exp", dtype="fp32", include_base=False, base_name="my/base")
+    exp = export_model(holder, tmp_path / "exp", dtype="fp32", include_base=False, base_name="my/base",
+                       target="reference")
     assert json.loads((exp / "draft" / "config.json").read_text())["base_model_name_or_path"] == "my/base"
     fresh = make_model("medusa", seed=9, num_medusa_layers=2).eval()
     fresh.gpt.load_state_dict(model.gpt.state_dict())
-    assert import_draft(fresh, exp / "draft_vllm") == "medusa_vllm"
+    assert import_draft(fresh, exp / "draft_vllm_legacy") == "medusa_vllm"
     _, hidden = _inputs(model)
     assert torch.equal(our_draft_logits(fresh, None, hidden), our_draft_logits(model, None, hidden))
     assert not (exp / "base").exists()
@@ -188,7 +190,7 @@ def test_medusa_two_layers_round_trip_through_vllm_layout(tmp_path):
 
 def test_bf16_export_dtypes_and_readme(tmp_path):
     model = make_model("eagle3", seed=1)
-    exp = export_model(model, tmp_path / "exp", dtype="bf16")
+    exp = export_model(model, tmp_path / "exp", dtype="bf16", target="vllm")
     from safetensors.torch import load_file
 
     raw = load_file(str(exp / "draft" / "model.safetensors"))
@@ -200,7 +202,7 @@ def test_bf16_export_dtypes_and_readme(tmp_path):
     assert info["format"] == "eagle3" and info["dtype"] == "bfloat16" and info["speculative"]["draft_vocab_size"] == 48
     readme = (exp / "README.md").read_text()
     assert f"vllm serve {exp / 'base'}" in readme and '"method": "eagle3"' in readme
-    assert f"--speculative-draft-model-path {exp / 'draft'}" in readme and "EAGLE3" in readme
+    assert "Checked against 0.33.0" in readme and "sglang" not in readme.lower()  # one engine: one section
     # bf16 import back: the draft equals the bf16-rounded original
     fresh = make_model("eagle3", seed=4)
     import_draft(fresh, exp)
@@ -300,7 +302,8 @@ def test_cli(exported, tmp_path, capsys):
                        cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert detect_draft_format(tmp_path / "cli") == "eagle3"
-    assert json.loads((tmp_path / "cli" / "draft" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert json.loads((tmp_path / "cli" / "draft" / "vllm" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert "vllm       ok" in p.stderr and "sglang     ok" in p.stderr  # verified at the end by default
     # user errors: exit code 2 and a one-line message (run in-process; same entry point)
     assert main(args) == 2 and "not empty" in capsys.readouterr().err
     assert main(args[:-2] + ["--format", "medusa", "--overwrite"]) == 2
@@ -327,7 +330,8 @@ def test_tp2_export_and_import(exported, tmp_path):
         exp2 = tmp_path / f"exp_tp2_{alg}"
         # the TP=2 checkpoint loaded at TP=1 exports byte-identical tensors (TP gather == exact reshard)
         m1 = load_model(tmp_path / f"ckpt_tp2_{alg}").eval()
-        exp1 = export_model(m1, tmp_path / f"exp_tp1_{alg}", dtype="fp32", include_base=alg == "eagle3")
+        exp1 = export_model(m1, tmp_path / f"exp_tp1_{alg}", dtype="fp32", include_base=alg == "eagle3",
+                            target=TARGET[alg])
         for sub in ("draft", "base") if alg == "eagle3" else ("draft",):
             names = ["medusa_lm_head.safetensors"] if (alg, sub) == ("medusa", "draft") else ["model.safetensors"]
             a, b = load_dir_tensors(exp1 / sub, names), load_dir_tensors(exp2 / sub, names)
@@ -364,12 +368,12 @@ def test_eagle3_import_accepts_layers0_naming_and_requires_d2t(exported, tmp_pat
 def test_eagle3_full_vocab_two_layers_vllm_layout(tmp_path):
     """Draft vocab = base vocab (d2t all zero) and a second draft layer written as vLLM's layers.1.*."""
     model = make_model("eagle3", seed=6, draft_vocab_size=None, num_eagle_layers=2).eval()
-    exp = export_model(model, tmp_path / "exp", dtype="fp32", include_base=False)
+    exp = export_model(model, tmp_path / "exp", dtype="fp32", include_base=False, target="vllm")
     conf = json.loads((exp / "draft" / "config.json").read_text())
     assert conf["num_hidden_layers"] == 2 and conf["draft_vocab_size"] == model.model_config.vocab_size
     ids, feats = _inputs(model)
     emb = model.gpt.embedding.word_embeddings.weight.detach()
     ref, base_ids, w = reference_eagle3(exp / "draft", emb, ids, feats)
-    assert "layers.1.input_layernorm.weight" in w and not torch.any(w["d2t"]) and bool(w["t2d"].all())
+    assert "layers.1.input_layernorm.weight" in w and "d2t" not in w and "t2d" not in w  # vLLM: no d2t param
     assert torch.equal(base_ids, torch.arange(model.model_config.vocab_size))
     assert (ref - our_draft_logits(model, ids, feats)).abs().max() < 1e-4

@@ -81,7 +81,9 @@ def test_speculative_greedy_equals_ar(llama, method, kind):
         s = o.stats
         assert s["method"] == method and s["new_tokens"] == 10
         assert s["target_forwards"] == sum(s["accept_hist"]) + 1  # prefill + one verification per step
-        assert abs(s["tau"] - 10 / s["target_forwards"]) < 1e-9
+        steps = sum(s["accept_hist"])  # tau: tokens per decoding step (accepted + 1), the prefill excluded
+        assert s["decode_steps"] == steps
+        assert abs(s["tau"] - (sum(m * c for m, c in enumerate(s["accept_hist"])) + steps) / steps) < 1e-9
         assert (s["draft_forwards"] > 0) == (method != "prompt_lookup") and s["tokens_per_s"] > 0 and s["peak_memory_bytes"] > 0
     if kind == "noisy":
         assert max(max(len(o.stats["accept_hist"]) for o in outs), 0) > 2  # multi-token acceptance happened
@@ -94,6 +96,8 @@ def test_perfect_draft_accepts_everything(llama):
                     options={"num_draft_tokens": 4})
     assert [o.tokens for o in outs] == ref
     assert all(o.stats["target_forwards"] == 3 for o in outs)  # 1 + 5 + 5 tokens (4 drafts + bonus)
+    # tau counts decoding steps only (the reference code's 5.00 here; prefill-inclusive counting gave 10/3)
+    assert all(o.stats["tau"] == 5.0 and o.stats["decode_steps"] == 2 for o in outs)
 
 
 def test_per_row_max_tokens_stops_and_streaming(llama):

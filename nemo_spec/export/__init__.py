@@ -5,10 +5,11 @@ An export directory holds::
     base/              the base model as a Hugging Face directory (config.json, model.safetensors, tokenizer files,
                        generation_config.json) written by nemo_spec.checkpoint.hf.export_hf, plus a
                        model.safetensors.index.json (the EAGLE reference code finds the embedding through it)
-    draft/             the draft in its reference layout: EAGLE-3 (LlamaForCausalLMEagle3), EAGLE-1 (EAGLE
-                       reference / vLLM EAGLE) or Medusa (FasterDecoding/Medusa medusa_lm_head.*)
-    draft_vllm/        Medusa only: the same heads in vLLM's Medusa layout
-    README.md          how to serve it with vLLM and SGLang (command lines with these paths)
+    draft/<engine>/    target 'all' (default): the draft laid out for each engine that can run it (vllm, sglang,
+                       trtllm, reference), each checked by that engine's conformance reader (export.engines)
+    draft/             a single ``target``: the draft for that engine only
+    draft_vllm_legacy/ Medusa only: the heads in the layout of older vLLM releases (vLLM 0.33 has no Medusa)
+    README.md          per engine: the exact launch command with these paths and the version it was checked against
     export_info.json   what was exported, from which checkpoint, in which dtype
 
 Formats are documented in :mod:`nemo_spec.export.eagle` and :mod:`nemo_spec.export.medusa`. Every export is
@@ -24,7 +25,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -178,15 +179,57 @@ def _new_tmp_dir(target: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ writers
+def resolve_targets(target: str, fmt: str) -> List[str]:
+    """Engines to write for ``target`` ('all' = every engine whose reader claims ``fmt``)."""
+    from nemo_spec.export.engines import TARGETS, engines_for
+
+    if target not in TARGETS:
+        raise ExportError(f"unknown export target {target!r}; choose one of {list(TARGETS)}")
+    claimed = engines_for(fmt)
+    if target == "all":
+        return claimed
+    if target not in claimed:
+        from nemo_spec.export.engines import ENGINES
+
+        eng = ENGINES[target]
+        raise ExportError(f"{target} {eng.VERSION} cannot serve a {fmt} draft (its reader claims {list(eng.FORMATS)})")
+    return [target]
+
+
 def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
-                 embedding: Optional[torch.Tensor]) -> Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]:
-    """Sub-directory name -> (tensors, config.json) for the draft in ``fmt``."""
-    if fmt == "eagle3":
-        return {"draft": eagle_fmt.eagle3_to_reference(neutral, cfg, spec)}
-    if fmt == "eagle1":
-        return {"draft": eagle_fmt.eagle1_to_reference(neutral, cfg, spec, embedding)}
-    return {"draft": medusa_fmt.medusa_to_reference(neutral, cfg, spec),
-            "draft_vllm": medusa_fmt.medusa_to_vllm(neutral, cfg, spec)}
+                 embedding: Optional[torch.Tensor], target: str
+                 ) -> Tuple[Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]], Dict[str, Any], Dict[str, str]]:
+    """(sub-directory -> (tensors, config.json), engines -> {dir, launch}, skipped engine -> reason) for ``fmt``.
+
+    A single target writes ``draft/``; 'all' writes ``draft/<engine>/`` for every engine that can run the draft.
+    """
+    engines = resolve_targets(target, fmt)
+    files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
+    entries: Dict[str, Any] = {}
+    skipped: Dict[str, str] = {}
+    for eng in engines:
+        sub = "draft" if target != "all" else f"draft/{eng}"
+        launch: Dict[str, Any] = {}
+        try:
+            if fmt == "eagle3":
+                tensors, conf, launch = eagle_fmt.eagle3_to_engine(neutral, cfg, spec, eng)
+            elif fmt == "eagle1":
+                tensors, conf = eagle_fmt.eagle1_to_engine(neutral, cfg, spec, embedding, eng)
+            else:
+                tensors, conf = medusa_fmt.medusa_to_reference(neutral, cfg, spec)
+        except ExportError as e:
+            if target != "all":
+                raise
+            skipped[eng] = str(e)
+            log.warning("not writing a %s draft for %s: %s", fmt, eng, e)
+            continue
+        files[sub] = (tensors, conf)
+        entries[eng] = {"dir": sub, "launch": launch}
+    if not files:
+        raise ExportError(f"no engine can serve this {fmt} draft: {skipped}")
+    if fmt == "medusa":  # the layout of older vLLM releases' Medusa; vLLM 0.33 has no Medusa (not verified)
+        files["draft_vllm_legacy"] = medusa_fmt.medusa_to_vllm(neutral, cfg, spec)
+    return files, entries, skipped
 
 
 def _write_safetensors_index(base_dir: Path) -> None:
@@ -219,7 +262,7 @@ def _itemsize(dtype: str) -> int:
 
 def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Tensor], conf: Dict[str, Any],
                      dtype: torch.dtype) -> None:
-    out.mkdir()
+    out.mkdir(parents=True)
     tensors = cast_tensors(tensors, dtype)
     conf = dict(conf, torch_dtype=hf_dtype_name(dtype), dtype=hf_dtype_name(dtype))  # transformers 4 / 5 names
     try:
@@ -229,29 +272,33 @@ def _write_draft_dir(out: Path, fmt: str, sub: str, tensors: Dict[str, torch.Ten
     except ImportError:  # pragma: no cover
         pass
     write_json(out / "config.json", conf)
-    if fmt == "medusa" and sub == "draft":
+    if fmt == "medusa" and not sub.startswith("draft_vllm"):
         save_safetensors(tensors, out / "medusa_lm_head.safetensors")
-        torch.save(tensors, out / "medusa_lm_head.pt")
+        torch.save(tensors, out / "medusa_lm_head.pt")  # MedusaModel reads only this (medusa_model.py:151-156)
     else:
         save_safetensors(tensors, out / "model.safetensors")
-        if fmt == "eagle1":  # the original EaModel reads only pytorch_model.bin (strictly)
-            torch.save(tensors, out / "pytorch_model.bin")
+        if fmt == "eagle1" and sub in ("draft", "draft/reference") and conf.get("bias") is not None:
+            torch.save(tensors, out / "pytorch_model.bin")  # EaModel tries pytorch_model.bin first (ea_model.py:124)
     log.info("wrote %s draft (%d tensors, %s) to %s", fmt, len(tensors), hf_dtype_name(dtype), out)
 
 
 def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto",
                  dtype: Union[str, torch.dtype] = "bf16", overwrite: bool = False,
                  tokenizer_dir: Optional[PathLike] = None, include_base: bool = True,
-                 base_name: Optional[str] = None, source: Optional[str] = None) -> Path:
+                 base_name: Optional[str] = None, source: Optional[str] = None, target: str = "all",
+                 verify: bool = False) -> Path:
     """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
 
     ``fmt``: 'auto' (the model's draft algorithm, or 'base' for an untransformed model), 'base', 'eagle3',
-    'eagle1', 'medusa'. ``base_name`` is recorded as ``base_model_name_or_path`` in the draft config (default: the
-    absolute path of ``export_dir/base`` when the base is exported, else ``source``).
+    'eagle1', 'medusa'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for that engine) or
+    'all' (``draft/<engine>/`` for every engine that can run the draft). ``base_name`` is recorded as
+    ``base_model_name_or_path`` in the draft config (default: the absolute path of ``export_dir/base`` when the base
+    is exported, else ``source``). ``verify``: read the export back through every engine's conformance reader and
+    raise ExportError on a mismatch (needs the base; TP=1).
     """
     from nemo_spec.checkpoint.hf import export_hf
 
-    target = Path(export_dir).absolute()
+    out_dir = Path(export_dir).absolute()
     torch_dtype = resolve_dtype(dtype, "export dtype", ExportError)
     spec_model = _unwrap_spec(model)
     transformed = is_speculative(spec_model)
@@ -259,7 +306,9 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     fmt = resolve_format(fmt, algorithm, source or type(model).__name__)
     if fmt == "base" and not include_base:
         raise ExportError("nothing to export: format 'base' with include_base=False")
-    check_export_dir(target, overwrite)
+    check_export_dir(out_dir, overwrite)
+    if fmt in DRAFT_FORMATS:
+        resolve_targets(target, fmt)  # fail before gathering weights
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ExportError(f"tokenizer_dir {tokenizer_dir} is not a directory")
     cfg: ModelConfig = spec_model.model_config if transformed else spec_model.nemo_spec_config
@@ -269,17 +318,20 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     # collective part: gather the draft (and, for EAGLE-1, the base embedding) on every rank
     neutral = draft_state_dict(spec_model) if fmt in DRAFT_FORMATS else {}
     embedding = _base_embedding(spec_model) if fmt == "eagle1" else None
-    base_ref = base_name or (str(target / "base") if include_base else (source or ""))
+    base_ref = base_name or (str(out_dir / "base") if include_base else (source or ""))
     files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
+    entries: Dict[str, Any] = {}
+    skipped: Dict[str, str] = {}
     if fmt in DRAFT_FORMATS:
-        files = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding)
+        files, entries, skipped = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding, target)
         for _, conf in files.values():
             conf["base_model_name_or_path"] = base_ref
             conf["nemo_spec"] = {"algorithm": fmt, "source_checkpoint": source,
-                                 "base_dir": "../base" if include_base else None,
+                                 "base_dir": None if not include_base else ("../base" if target != "all"
+                                                                            else "../../base"),
                                  "speculative": spec_model.spec_config.to_dict()}
 
-    tmp = _new_tmp_dir(target)
+    tmp = _new_tmp_dir(out_dir)
     try:
         if include_base:
             base_model = spec_model.gpt if transformed else spec_model
@@ -294,7 +346,10 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
                 "dtype": hf_dtype_name(torch_dtype),
                 "base": "base" if include_base else None,
                 "draft": "draft" if files else None,
-                "extra": sorted(k for k in files if k != "draft"),
+                "target": target if files else None,
+                "engines": entries,
+                "skipped_engines": skipped,
+                "extra": sorted(k for k in files if not k.startswith("draft/") and k != "draft"),
                 "base_model_name_or_path": base_ref,
                 "source_checkpoint": source,
                 "model": cfg.to_dict(),
@@ -302,34 +357,50 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
                 "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             }
             write_json(tmp / EXPORT_INFO, info)
-            (tmp / "README.md").write_text(render_readme(target, info))
-            publish_directory(tmp, target)
+            (tmp / "README.md").write_text(render_readme(out_dir, info))
+            publish_directory(tmp, out_dir)
 
-        _on_rank0(write_rest, f"export to {target}")
+        _on_rank0(write_rest, f"export to {out_dir}")
     finally:
         if parallel.is_rank_zero() and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if parallel.is_rank_zero():
-        log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), target)
-    return target
+        log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), out_dir)
+    if verify and fmt in DRAFT_FORMATS:
+        if parallel.tp_size() > 1:
+            log.warning("verification skipped under tensor parallelism; run scripts/verify_export.py %s "
+                        "--checkpoint <ckpt>", out_dir)
+        elif not include_base:
+            log.warning("verification skipped: no base/ exported (the readers run the exported base)")
+        else:
+            from nemo_spec.export.engines import format_table, rows_ok, verify_export
+
+            rows = verify_export(out_dir, model=spec_model)
+            log.info("export verification (engine conformance readers):\n%s", format_table(rows))
+            if not rows_ok(rows):
+                raise ExportError(f"export {out_dir} does not load as our draft in every engine:\n"
+                                  f"{format_table(rows)}")
+    return out_dir
 
 
 def export_checkpoint(checkpoint: PathLike, export_dir: PathLike, fmt: str = "auto",
                       dtype: Union[str, torch.dtype] = "bf16", overwrite: bool = False, include_base: bool = True,
-                      base_name: Optional[str] = None) -> Path:
+                      base_name: Optional[str] = None, target: str = "all", verify: bool = False) -> Path:
     """Load a saved checkpoint (any saved TP) under the current parallel state and export it (all ranks call)."""
     from nemo_spec.checkpoint import find_tokenizer_dir, load_model, read_checkpoint_config
 
     ckpt = Path(checkpoint)
     saved = read_checkpoint_config(ckpt)
     algorithm = (saved.get("speculative") or {}).get("algorithm") if isinstance(saved, dict) else None
-    resolve_format(fmt, algorithm, f"checkpoint {ckpt}")  # fail before loading weights
+    real = resolve_format(fmt, algorithm, f"checkpoint {ckpt}")  # fail before loading weights
+    if real in DRAFT_FORMATS:
+        resolve_targets(target, real)
     resolve_dtype(dtype, "export dtype", ExportError)
     check_export_dir(Path(export_dir), overwrite)
     model = load_model(ckpt)
     return export_model(model, export_dir, fmt=fmt, dtype=dtype, overwrite=overwrite,
                         tokenizer_dir=find_tokenizer_dir(ckpt), include_base=include_base, base_name=base_name,
-                        source=str(ckpt.absolute()))
+                        source=str(ckpt.absolute()), target=target, verify=verify)
 
 
 # ------------------------------------------------------------------------------------------------ import
@@ -339,6 +410,9 @@ def _draft_dir(path: Path) -> Path:
         return path
     if (path / "draft" / "config.json").is_file():
         return path / "draft"
+    for eng in ("reference", "vllm", "sglang", "trtllm"):
+        if (path / "draft" / eng / "config.json").is_file():
+            return path / "draft" / eng
     raise ExportError(f"{path} holds no draft: neither {path / 'config.json'} nor {path / 'draft' / 'config.json'}")
 
 
@@ -360,7 +434,7 @@ def detect_draft_format(path: PathLike) -> str:
 
 def _read_draft_tensors(d: Path, fmt: str) -> Dict[str, torch.Tensor]:
     names = (["medusa_lm_head.safetensors", "medusa_lm_head.pt"] if fmt == "medusa"
-             else ["model.safetensors", "pytorch_model.bin"])
+             else ["model.safetensors", "pytorch_model.bin"])  # every layout writes model.safetensors
     for n in names:
         if (d / n).is_file():
             return load_tensors(d / n)

@@ -16,7 +16,8 @@ EAGLE-3 (vLLM ``llama_eagle3.py`` / SGLang ``llama_eagle3.py`` / TensorRT-LLM / 
     ``norm.weight`` [h]; ``lm_head.weight`` [Vd, h]; ``d2t`` int64 [Vd] with base_id = draft_id + d2t[draft_id];
     ``t2d`` bool [V] (True for base ids in the draft vocabulary; vLLM/SGLang skip it, the EAGLE code keeps it).
   The residual stream of the mid layer starts from the fused feature (before ``hidden_norm``); the embedding
-  table is not stored (engines share the base's). Extra draft layers (vLLM only) are ``layers.{i}.*``, Llama style.
+  table is not stored (engines share the base's). With several draft layers every layer is ``layers.{i}.*``; per-engine
+  differences (aux-id numbering, hidden_norm of layers >= 1, d2t presence) are in :func:`eagle3_to_engine`.
   ``target_hidden_size`` is left out (draft and base widths are equal; engines default it to ``hidden_size``): with
   it set, the EAGLE reference code expects ``embed_tokens`` inside the draft instead of reading the base's through
   the base's ``model.safetensors.index.json`` (which the export therefore writes next to ``base/model.safetensors``).
@@ -24,8 +25,8 @@ EAGLE-1 (SafeAILab ``cnets1.py`` ``Model`` loaded by ``EaModel`` from ``pytorch_
 ``llama_eagle.py`` ``EagleLlamaForCausalLM`` from safetensors)
   config.json: a plain Llama config (``architectures: ["LlamaForCausalLM"]``) whose ``num_hidden_layers`` is the
   number of draft layers, plus ``bias`` (whether ``fc`` has a bias; EaModel defaults it to true when absent).
-  Tensors: ``embed_tokens.weight`` [V, h] (EaModel loads strictly, so it is stored; vLLM skips it and shares the
-  base's), ``fc.weight`` [h, 2h] over cat([embedding, base final hidden]) and ``fc.bias`` [h] when ``bias``;
+  Tensors: ``embed_tokens.weight`` [V, h] (stored; EaModel loads with strict=False, vLLM keeps a stored table, SGLang
+  shares the base's), ``fc.weight`` [h, 2h] over cat([embedding, base final hidden]) and ``fc.bias`` [h] when ``bias``;
   ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
   ``layers.N.post_attention_layernorm.weight`` and, for N > 0 only, ``layers.N.input_layernorm.weight`` (layer 0
   has none). There is no final norm and no lm_head: the draft's hidden goes straight into the base's lm_head.
@@ -37,7 +38,7 @@ and read back into it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -121,27 +122,89 @@ def _heads(cfg: ModelConfig) -> Tuple[int, int, int]:
 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-3
-def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                        spec: SpeculativeConfig) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Neutral EAGLE-3 draft tensors -> (reference tensors, config.json dict)."""
+ENGINE_TARGETS = ("vllm", "sglang", "trtllm", "reference")
+
+
+def captured_layers(aux: List[int]) -> List[int]:
+    """The distinct aux layers in layer order: what every engine captures (they all de-duplicate and sort)."""
+    return sorted(set(aux))
+
+
+def _fc_for_captured(fc: torch.Tensor, aux: List[int], h: int) -> torch.Tensor:
+    """fc [h, len(aux)*h] over features in ``aux`` order -> the same function over the sorted distinct layers
+    (blocks of a repeated layer are summed: W1 x + W2 x = (W1 + W2) x)."""
+    uniq = captured_layers(aux)
+    blocks = [torch.zeros(fc.shape[0], h, dtype=fc.dtype) for _ in uniq]
+    for k, layer in enumerate(aux):
+        blocks[uniq.index(layer)] += fc[:, k * h:(k + 1) * h]
+    return torch.cat(blocks, dim=1)
+
+
+def _fc_from_captured(fc: torch.Tensor, aux: List[int], h: int) -> torch.Tensor:
+    """Inverse of :func:`_fc_for_captured` up to the function: first occurrence gets the block, repeats zeros."""
+    uniq, seen, blocks = captured_layers(aux), set(), []
+    for layer in aux:
+        j = uniq.index(layer)
+        blocks.append(fc[:, j * h:(j + 1) * h] if layer not in seen else torch.zeros(fc.shape[0], h, dtype=fc.dtype))
+        seen.add(layer)
+    return torch.cat(blocks, dim=1)
+
+
+def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -> str | None:
+    """Why ``engine`` cannot run this EAGLE-3 draft exactly (None when it can); see nemo_spec.export.engines."""
+    from nemo_spec.export.engines import reference
+
+    aux = captured_layers(spec.resolved_aux_layers(cfg.num_layers))
+    if engine == "sglang":
+        if cfg.num_layers - 1 in aux:
+            return (f"aux layer {cfg.num_layers - 1} is the base's last layer; SGLang captures layer inputs only "
+                    f"(srt/models/llama.py:486-493, 941); use aux_layers below {cfg.num_layers - 1}")
+        if cfg.add_qkv_bias:
+            return "SGLang builds the EAGLE-3 qkv without bias (srt/models/llama_eagle3.py:67-75)"
+    if engine == "trtllm" and cfg.add_qkv_bias:
+        return "TensorRT-LLM's Eagle3 draft attention is built without qkv bias"
+    if engine == "reference":
+        if spec.num_eagle_layers > 1:
+            return "EaModel builds a single midlayer (eagle/model/cnets.py:530)"
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            return "EaModel assumes head_dim = hidden_size / num_attention_heads"
+        if cfg.add_qkv_bias:
+            return "EaModel's EAGLE-3 attention has no bias (eagle/model/cnets.py:209-212)"
+        want = reference.capture_layers(cfg.num_layers)
+        if len(want) != 3:
+            return (f"EaModel captures the inputs of layers 2, L//2, L-3 (eagle/model/modeling_llama_kv.py:1138): "
+                    f"only {len(want)} distinct layers on a {cfg.num_layers}-layer base, its fc takes 3")
+        if aux != want:
+            return (f"EaModel hard-codes the aux layers (eagle/model/modeling_llama_kv.py:1138): {want} on a "
+                    f"{cfg.num_layers}-layer base, this draft uses {aux}; transform with aux_layers={want}")
+    return None
+
+
+def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
+                     engine: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], Dict[str, Any]]:
+    """Neutral EAGLE-3 draft tensors -> (tensors, config.json dict, launch options) for ``engine``."""
     check_llama_family(cfg, "eagle3")
-    _warn_reference_head_dim(cfg)
+    why = eagle3_unsupported(cfg, spec, engine)
+    if why:
+        raise ExportError(f"EAGLE-3 export for {engine}: {why}")
     nh, ng, hd = _heads(cfg)
-    n_layers = spec.num_eagle_layers
-    out: Dict[str, torch.Tensor] = {"fc.weight": _need(neutral, "fc.weight")}
-    if "fc.bias" in neutral:
-        out["fc.bias"] = neutral["fc.bias"]
+    n_layers, h = spec.num_eagle_layers, cfg.hidden_size
+    aux = spec.resolved_aux_layers(cfg.num_layers)
+    uniq = captured_layers(aux)
+    out: Dict[str, torch.Tensor] = {"fc.weight": _fc_for_captured(_need(neutral, "fc.weight"), aux, h)}
     for i in range(n_layers):
-        dst = "midlayer." if i == 0 else f"layers.{i}."
-        out.update(layer_to_hf(neutral, f"layers.{i}.", dst, nh, ng, hd, input_norm=True))
-    out["midlayer.hidden_norm.weight"] = _need(neutral, "layers.0.hidden_norm.weight")
+        dst = "midlayer." if (i == 0 and n_layers == 1) else f"layers.{i}."
+        layer = layer_to_hf(neutral, f"layers.{i}.", dst, nh, ng, hd, input_norm=True)
+        if i > 0 and engine in ("sglang", "trtllm"):  # layers >= 1 normalise with hidden_norm there
+            layer[dst + "hidden_norm.weight"] = layer.pop(dst + "input_layernorm.weight")
+        out.update(layer)
+    first = "midlayer." if n_layers == 1 else "layers.0."
+    out[first + "hidden_norm.weight"] = _need(neutral, "layers.0.hidden_norm.weight")
     out["norm.weight"] = _need(neutral, "final_layernorm.weight")
     out["lm_head.weight"] = _need(neutral, "output_layer.weight")
     vd = out["lm_head.weight"].shape[0]
     d2t = neutral.get("d2t")
-    if d2t is None:
-        d2t = torch.zeros(vd, dtype=torch.long)
-    d2t = d2t.to(torch.long)
+    d2t = torch.zeros(vd, dtype=torch.long) if d2t is None else d2t.to(torch.long)
     if d2t.shape != (vd,):
         raise ExportError(f"d2t has shape {tuple(d2t.shape)}, expected ({vd},) = draft vocab size")
     base_ids = d2t + torch.arange(vd)
@@ -149,38 +212,58 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
         raise ExportError(f"d2t maps draft ids outside the base vocabulary [0, {cfg.vocab_size})")
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[base_ids] = True
-    out["d2t"], out["t2d"] = d2t, t2d
-    aux = spec.resolved_aux_layers(cfg.num_layers)
-    conf = {"architectures": [EAGLE3_ARCH], **_llama_fields(cfg, n_layers)}
-    conf.update({
-        "draft_vocab_size": int(vd),
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux],
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux], "use_aux_hidden_state": True},
-    })
-    if cfg.num_layers - 1 in aux:
-        log.warning("EAGLE-3 aux layer %d is the base's last layer: vLLM captures the hidden states entering layers "
-                    "0..%d (ids), so id %d is not captured there; choose aux_layers below %d for vLLM",
-                    cfg.num_layers - 1, cfg.num_layers - 1, cfg.num_layers, cfg.num_layers - 1)
-    if n_layers > 1:
-        log.warning("EAGLE-3 with %d draft layers: layers 1.. are written as layers.N.* (vLLM's layout); "
-                    "SGLang and the EAGLE reference code load a single midlayer only", n_layers)
-    return out, conf
+    reduced = vd != cfg.vocab_size
+    # vLLM / TensorRT-LLM have no d2t parameter for a full vocabulary (vllm llama_eagle3.py:338-345 raises on it)
+    if reduced or engine == "reference":
+        out["d2t"] = d2t
+        if engine != "trtllm":
+            out["t2d"] = t2d
+    conf = {"architectures": [EAGLE3_ARCH], **_llama_fields(cfg, n_layers), "draft_vocab_size": int(vd)}
+    launch: Dict[str, Any] = {}
+    if engine == "vllm":  # vLLM id j = input of layer j = output of 0-based layer j-1 (vllm llama.py:428-441)
+        ids = [i + 1 for i in uniq]
+        conf["eagle_aux_hidden_state_layer_ids"] = ids
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    elif engine == "sglang":  # SGLang adds 1 itself (srt/models/llama.py:941): write 0-based layer ids
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(uniq), "use_aux_hidden_state": True}
+    elif engine == "trtllm":  # captured from EagleDecodingConfig.eagle3_layers_to_capture (0-based outputs)
+        launch["eagle3_layers_to_capture"] = list(uniq)
+    conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq), "engine": engine}
+    if uniq != list(aux):
+        log.info("EAGLE-3 aux layers %s written as the distinct sorted layers %s (fc columns merged/reordered: "
+                 "engines de-duplicate and sort the captured layers)", aux, uniq)
+    return out, conf, launch
+
+
+def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                        spec: SpeculativeConfig) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Neutral EAGLE-3 draft tensors -> (EaModel tensors, config.json dict)."""
+    tensors, conf, _ = eagle3_to_engine(neutral, cfg, spec, "reference")
+    return tensors, conf
 
 
 def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
                           cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Reference EAGLE-3 tensors (+ config.json) -> draft tensors; layer 0 may be ``midlayer.*`` or ``layers.0.*``."""
+    """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
+    ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``)."""
     nh, ng, hd = _heads(cfg)
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
     first = "midlayer." if "midlayer.self_attn.q_proj.weight" in tensors else "layers.0."
-    out: Dict[str, torch.Tensor] = {"fc.weight": tensors["fc.weight"]}
+    fc = tensors["fc.weight"]
+    meta = conf.get("nemo_spec_aux") or {}
+    if meta.get("aux_layers") and fc.shape[1] != len(meta["aux_layers"]) * cfg.hidden_size:
+        fc = _fc_from_captured(fc, list(meta["aux_layers"]), cfg.hidden_size)
+    out: Dict[str, torch.Tensor] = {"fc.weight": fc}
     if "fc.bias" in tensors:
         out["fc.bias"] = tensors["fc.bias"]
     for i in range(n_layers):
         src = first if i == 0 else f"layers.{i}."
-        out.update(layer_from_hf(tensors, src, f"layers.{i}.", nh, ng, hd, input_norm=True))
+        sd = dict(tensors)
+        if i > 0 and src + "input_layernorm.weight" not in sd and src + "hidden_norm.weight" in sd:
+            sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
+        out.update(layer_from_hf(sd, src, f"layers.{i}.", nh, ng, hd, input_norm=True))
     for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),
                      ("norm.weight", "final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
         if src not in tensors:
@@ -201,11 +284,22 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-1
-def eagle1_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
-                        embedding: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Neutral EAGLE-1 draft tensors (+ the base's embedding table) -> (reference tensors, config.json dict)."""
+EAGLE1_ARCHS = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle", "reference": "LlamaForCausalLM"}
+
+
+def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
+                     embedding: torch.Tensor, engine: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Neutral EAGLE-1 draft tensors (+ the base's embedding table) -> (tensors, config.json dict) for ``engine``.
+
+    vLLM builds fc without a bias (llama_eagle.py:110-118) and reads ``bias``/``attention_bias`` as attention bias
+    (llama.py:267-271): fc's bias b is folded exactly into layer 0 (no input norm there), q/k/v bias = W b and
+    o_proj bias = b, with zero biases elsewhere. SGLang needs ``LlamaForCausalLMEagle`` and always has fc.bias; the
+    reference code reads ``bias`` as fc's bias (ea_model.py:49-54). No config carries ``bias`` except the
+    reference's.
+    """
     check_llama_family(cfg, "eagle1")
-    _warn_reference_head_dim(cfg)
+    if engine not in EAGLE1_ARCHS:
+        raise ExportError(f"EAGLE-1 export for {engine}: not supported (claimed by {sorted(EAGLE1_ARCHS)})")
     nh, ng, hd = _heads(cfg)
     n_layers = spec.num_eagle_layers
     if "layers.0.input_layernorm.weight" in neutral:
@@ -214,31 +308,71 @@ def eagle1_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, s
     if "final_layernorm.weight" in neutral:
         raise ExportError("this EAGLE-1 draft has a final norm, which the EAGLE-1 format (draft hidden goes "
                           "straight to the base lm_head) cannot represent")
+    if engine == "reference" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ExportError("EAGLE-1 export for reference: EaModel assumes head_dim = hidden_size / num_heads")
     out: Dict[str, torch.Tensor] = {"embed_tokens.weight": embedding, "fc.weight": _need(neutral, "fc.weight")}
-    has_bias = "fc.bias" in neutral
-    if has_bias:
-        out["fc.bias"] = neutral["fc.bias"]
+    bias = neutral.get("fc.bias")
     for i in range(n_layers):
         out.update(layer_to_hf(neutral, f"layers.{i}.", f"layers.{i}.", nh, ng, hd, input_norm=i > 0))
-    conf = {"architectures": [EAGLE1_ARCH], **_llama_fields(cfg, n_layers), "bias": has_bias}
-    if has_bias:
-        log.warning("EAGLE-1 fc has a bias: the EAGLE reference code uses it; vLLM's EAGLE-1 loader builds fc "
-                    "without bias and ignores fc.bias")
+    conf = {"architectures": [EAGLE1_ARCHS[engine]], **_llama_fields(cfg, n_layers)}
+    qkv_bias = bool(cfg.add_qkv_bias)
+    conf["attention_bias"] = qkv_bias
+    if engine == "reference":
+        conf["bias"] = bias is not None
+        conf.pop("attention_bias")
+        if qkv_bias:
+            conf["qkv_bias"] = True  # cnets1.py:209-216
+        if bias is not None:
+            out["fc.bias"] = bias
+    elif engine == "sglang":
+        out["fc.bias"] = bias if bias is not None else torch.zeros(cfg.hidden_size)
+        if qkv_bias:  # attention_bias also builds o_proj biases there (srt/models/llama.py:212,219)
+            for i in range(n_layers):
+                out[f"layers.{i}.self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+    else:  # vllm
+        fold = bias is not None and bool(bias.abs().max() > 0)
+        if fold or qkv_bias:
+            conf["attention_bias"] = True
+            for i in range(n_layers):
+                p = f"layers.{i}.self_attn."
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    out.setdefault(p + name + ".bias", torch.zeros(out[p + name + ".weight"].shape[0]))
+                out[p + "o_proj.bias"] = torch.zeros(cfg.hidden_size)
+        if fold:
+            p = "layers.0.self_attn."
+            for name in ("q_proj", "k_proj", "v_proj"):
+                out[p + name + ".bias"] = out[p + name + ".bias"] + out[p + name + ".weight"].float() @ bias.float()
+            out[p + "o_proj.bias"] = bias.clone()
+            conf["nemo_spec_fc_bias_folded"] = True
     return out, conf
+
+
+def eagle1_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
+                        embedding: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Neutral EAGLE-1 draft tensors (+ the base's embedding table) -> (EaModel tensors, config.json dict)."""
+    return eagle1_to_engine(neutral, cfg, spec, embedding, "reference")
 
 
 def eagle1_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
                           cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Reference EAGLE-1 tensors (+ config.json) -> neutral draft tensors (the stored embedding is dropped)."""
+    """EAGLE-1 draft files of any engine layout (+ config.json) -> neutral draft tensors (embedding dropped)."""
     nh, ng, hd = _heads(cfg)
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-1 draft lacks 'fc.weight'")
-    out: Dict[str, torch.Tensor] = {"fc.weight": tensors["fc.weight"]}
-    if "fc.bias" in tensors:
-        out["fc.bias"] = tensors["fc.bias"]
+    sd = dict(tensors)
+    out: Dict[str, torch.Tensor] = {"fc.weight": sd["fc.weight"]}
+    if conf.get("nemo_spec_fc_bias_folded"):  # undo the vLLM fold (see eagle1_to_engine)
+        if cfg.add_qkv_bias:
+            raise ExportError("cannot unfold fc.bias from a vLLM EAGLE-1 export of a qkv-biased base")
+        out["fc.bias"] = sd["layers.0.self_attn.o_proj.bias"]
+        sd = {k: v for k, v in sd.items() if not k.endswith(("_proj.bias",))}
+    elif "fc.bias" in sd:
+        out["fc.bias"] = sd["fc.bias"]
+    elif not cfg.add_qkv_bias:
+        out["fc.bias"] = torch.zeros(cfg.hidden_size)  # vLLM layout without a fold: fc had a zero bias
+    if not cfg.add_qkv_bias:
+        sd = {k: v for k, v in sd.items() if not k.endswith("o_proj.bias")}
     for i in range(n_layers):
-        out.update(layer_from_hf(tensors, f"layers.{i}.", f"layers.{i}.", nh, ng, hd, input_norm=i > 0))
+        out.update(layer_from_hf(sd, f"layers.{i}.", f"layers.{i}.", nh, ng, hd, input_norm=i > 0))
     return out
-
-

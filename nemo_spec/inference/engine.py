@@ -68,6 +68,12 @@ class StepResult:
     emitted: List[List[int]]
 
 
+def tau_of(accepted: Sequence[int]) -> float:
+    """Acceptance length: tokens per decoding step (accepted drafts + the target's token), prefill excluded,
+    as the EAGLE / Medusa papers and reference code report it; 1.0 when there was no decoding step."""
+    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else 1.0
+
+
 class BatchState:
     """Per-call state shared by the engine and its proposer."""
 
@@ -370,7 +376,8 @@ def run_generation(engine: Engine, proposer: Any, prompts: List[List[int]], para
             "new_tokens": len(st.out[r]),
             "target_forwards": st.target_forwards[r],
             "draft_forwards": st.draft_forwards[r],
-            "tau": st.produced[r] / max(st.target_forwards[r], 1),
+            "decode_steps": len(st.accept_hist[r]),
+            "tau": tau_of(st.accept_hist[r]),
             "accept_hist": hist,
             "time_s": elapsed,
             "time_to_first_token_s": t_first - t0,

@@ -142,7 +142,7 @@ class ServerMetrics:
         self.queue_time = Histogram("nemo_spec_queue_time_seconds",
                                     "Time a request waited in the queue before its batch started.", LATENCY_BUCKETS)
         self.tau = Histogram("nemo_spec_acceptance_length",
-                             "Mean accepted tokens per target forward (tau) of each generated sequence.",
+                             "Acceptance length tau of each generated sequence: tokens per decoding step, prefill excluded.",
                              TAU_BUCKETS)
         self.batch_size = Histogram("nemo_spec_batch_size", "Rows per engine batch.", BATCH_BUCKETS)
         self.queue_depth = Gauge("nemo_spec_queue_depth", "Requests waiting in the queue.")

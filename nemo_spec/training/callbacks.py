@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 
 def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth: int = 4, max_new_tokens: int = 24,
                 method: Optional[str] = None) -> float:
-    """Mean acceptance length (tokens per target forward) of greedy chain speculative decoding on ``prompts``."""
+    """Acceptance length of greedy chain speculative decoding on ``prompts``: tokens per decoding step (accepted
+    drafts + 1), prefill excluded, pooled over all steps of all prompts."""
     from nemo_spec.inference import SamplingParams, generate
 
     if method is None:
@@ -23,9 +24,9 @@ def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth:
         options = {"ignore_eos": True}
     with torch.no_grad():
         results = generate(model, [list(p) for p in prompts], params, method=method, options=options)
-    produced = sum(len(r.tokens) for r in results)
-    forwards = sum(int(r.stats.get("target_forwards", 0)) for r in results)
-    return produced / max(forwards, 1)
+    steps = sum(sum(r.stats["accept_hist"]) for r in results)
+    accepted = sum(m * c for r in results for m, c in enumerate(r.stats["accept_hist"]))
+    return (accepted + steps) / steps if steps else 1.0
 
 
 class AcceptanceLengthCallback(pl.Callback):

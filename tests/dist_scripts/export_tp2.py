@@ -37,7 +37,8 @@ def main() -> None:
         ckpt = save_checkpoint(native, work / f"ckpt_tp2_{alg}")
         logits = our_draft_logits(native, b["ids"], b["feats"])
         # the base's TP gather is the HF export's own business: check it once (eagle3), drafts for all
-        export_checkpoint(ckpt, work / f"exp_tp2_{alg}", dtype="fp32", include_base=alg == "eagle3")
+        target = {"eagle3": "vllm", "eagle1": "reference", "medusa": "reference"}[alg]
+        export_checkpoint(ckpt, work / f"exp_tp2_{alg}", dtype="fp32", include_base=alg == "eagle3", target=target)
         out[alg] = {"logits": logits, "import_err": err}
     if parallel.is_rank_zero():
         torch.save(out, work / "tp2_out.pt")

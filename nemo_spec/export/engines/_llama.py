@@ -1,0 +1,154 @@
+"""Plain-torch Llama pieces the conformance readers share (no megatron, no nemo_spec model code).
+
+What every engine computes for a Llama layer: RMSNorm, rotate-half RoPE (default rope only), grouped-query
+attention with repeated KV heads and a causal mask, SwiGLU MLP. A reader composes these the way its engine does;
+:func:`base_forward` runs an exported Hugging Face Llama base (``base/``) and returns the residual stream at every
+layer boundary, from which each engine's aux-hidden-state capture rule picks its features.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_spec.export.formats import ExportError, load_tensors
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class EngineMismatch(ExportError):
+    """An engine would load this export wrongly or not at all; the message says which rule, field or tensor."""
+
+
+class Unsupported(EngineMismatch):
+    """The engine cannot represent this draft (a limitation of the engine, not of the files)."""
+
+
+def read_dir(d: Path, names: List[str]) -> Tensors:
+    """Tensors of the first existing weight file among ``names`` in ``d`` (floats as float32)."""
+    for n in names:
+        if (Path(d) / n).is_file():
+            sd = load_tensors(Path(d) / n)
+            return {k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}
+    raise EngineMismatch(f"{d} has none of the weight files {names}")
+
+
+def read_config(d: Path) -> dict:
+    """config.json of a draft / base directory."""
+    p = Path(d) / "config.json"
+    if not p.is_file():
+        raise EngineMismatch(f"{p} does not exist")
+    return json.loads(p.read_text())
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    d, s = x.shape[-1], x.shape[-2]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def check_rope(conf: Mapping) -> float:
+    """rope_theta of a config whose RoPE the readers implement (default rope only)."""
+    scaling = conf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise Unsupported(f"the conformance readers implement default RoPE only, config has rope_scaling={scaling}")
+    return float(conf.get("rope_theta", (conf.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+
+
+def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapping, head_dim: int,
+              qkv_bias: bool = False, o_bias: bool = False) -> torch.Tensor:
+    """Causal GQA self-attention of ``x`` [b, s, in] with weights under prefix ``p`` (HF names)."""
+    b, s, _ = x.shape
+    nh, ng = int(conf["num_attention_heads"]), int(conf["num_key_value_heads"])
+
+    def proj(name: str, n: int, bias: bool) -> torch.Tensor:
+        y = x @ w[f"{p}self_attn.{name}.weight"].T
+        if bias:
+            y = y + w[f"{p}self_attn.{name}.bias"]
+        return y.view(b, s, n, head_dim).transpose(1, 2)
+
+    theta = check_rope(conf)
+    q, k, v = proj("q_proj", nh, qkv_bias), proj("k_proj", ng, qkv_bias), proj("v_proj", ng, qkv_bias)
+    q, k = _rope(q, theta), _rope(k, theta)
+    k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)
+    att = (q @ k.transpose(-1, -2)) / head_dim ** 0.5
+    att = att.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    o = (att @ v).transpose(1, 2).reshape(b, s, nh * head_dim) @ w[f"{p}self_attn.o_proj.weight"].T
+    return o + w[f"{p}self_attn.o_proj.bias"] if o_bias else o
+
+
+def mlp(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str) -> torch.Tensor:
+    """SwiGLU MLP with HF names under ``p``."""
+    return (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ \
+        w[p + "mlp.down_proj.weight"].T
+
+
+def require(w: Mapping[str, torch.Tensor], names: List[str], engine: str, why: str) -> None:
+    """Raise EngineMismatch naming the tensors ``engine`` builds parameters for but the file lacks."""
+    missing = [n for n in names if n not in w]
+    if missing:
+        raise EngineMismatch(f"{engine}: {why}: {missing[:6]}")
+
+
+@dataclass
+class BaseRun:
+    """The base's forward on fixed ids: residual stream at every layer boundary and the head weights.
+
+    ``stream[j]`` is the input of 0-based layer j (``stream[0]`` = embeddings, ``stream[L]`` = the last layer's
+    output before the final norm); ``final`` is the final-normed hidden; ``logits`` the base logits.
+    """
+
+    stream: List[torch.Tensor]
+    final: torch.Tensor
+    logits: torch.Tensor
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    config: dict
+
+    @property
+    def num_layers(self) -> int:
+        """Base depth L."""
+        return len(self.stream) - 1
+
+
+def base_forward(base_dir: Path, ids: torch.Tensor, tensors: Optional[Tensors] = None) -> BaseRun:
+    """Run the exported HF Llama base in ``base_dir`` on ``ids`` [b, s] (how transformers/vLLM/SGLang compute it)."""
+    conf = read_config(base_dir)
+    w = tensors if tensors is not None else read_dir(base_dir, ["model.safetensors"])
+    eps = float(conf["rms_norm_eps"])
+    hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
+    bias = bool(conf.get("attention_bias", False))
+    x = w["model.embed_tokens.weight"][ids]
+    stream = [x]
+    for i in range(int(conf["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        x = x + attention(rms(x, w[p + "input_layernorm.weight"], eps), w, p, conf, hd, qkv_bias=bias, o_bias=bias)
+        x = x + mlp(rms(x, w[p + "post_attention_layernorm.weight"], eps), w, p)
+        stream.append(x)
+    final = rms(x, w["model.norm.weight"], eps)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return BaseRun(stream, final, final @ head.T, w["model.embed_tokens.weight"], head, conf)
+
+
+def scatter_draft_logits(logits: torch.Tensor, base_ids: Optional[torch.Tensor], vocab: int) -> torch.Tensor:
+    """Draft-vocab logits [..., Vd] -> base-vocab logits [..., V] (-inf outside the draft vocabulary)."""
+    if base_ids is None:
+        return logits
+    if base_ids.numel() and (int(base_ids.min()) < 0 or int(base_ids.max()) >= vocab):
+        raise EngineMismatch(f"draft-to-target ids leave the base vocabulary [0, {vocab})")
+    out = logits.new_full(logits.shape[:-1] + (vocab,), float("-inf"))
+    out[..., base_ids] = logits
+    return out

@@ -1,0 +1,234 @@
+"""Engine conformance: every export format x every engine that claims it reads back as our draft; regression
+tests for the ways exports used to load silently wrong in vLLM 0.33.0 / SGLang 0.5.23 (issue 14, bugs 1-7)."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_spec.export import ExportError, export_checkpoint, export_model, import_draft
+from nemo_spec.export.engines import EngineMismatch, format_table, verify_export
+from nemo_spec.export.engines import sglang, vllm
+from nemo_spec.export.engines._llama import base_forward
+from tests.export_utils import make_model
+
+IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+
+CASES = {  # name -> (alg, transform kwargs, base num_layers)
+    "eagle3_reduced": ("eagle3", {}, 4),
+    "eagle3_full_2layers": ("eagle3", dict(draft_vocab_size=None, num_eagle_layers=2), 4),
+    "eagle3_repeated_aux": ("eagle3", dict(aux_layers=[1, 1, 0]), 4),
+    "eagle3_reference_aux": ("eagle3", dict(aux_layers=[1, 3, 4]), 8),
+    "eagle1": ("eagle1", {}, 4),
+    "medusa": ("medusa", {}, 4),
+}
+EXPECT = {  # engines that must verify ok; the others must say 'unsupported' with a reason
+    "eagle3_reduced": {"vllm", "sglang", "trtllm"},
+    "eagle3_full_2layers": {"vllm", "sglang", "trtllm"},
+    "eagle3_repeated_aux": {"vllm", "sglang", "trtllm"},
+    "eagle3_reference_aux": {"vllm", "sglang", "trtllm", "reference"},
+    "eagle1": {"vllm", "sglang", "reference"},
+    "medusa": {"reference"},
+}
+
+
+def _model(name):
+    alg, kw, layers = CASES[name]
+    if layers != 4:
+        import tests.export_utils as eu
+
+        orig = eu.base_config
+        eu.base_config = lambda **k: orig(num_layers=layers, **k)
+        try:
+            return make_model(alg, **kw).eval()
+        finally:
+            eu.base_config = orig
+    return make_model(alg, **kw).eval()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    out = {}
+    for name in CASES:
+        m = _model(name)
+        out[name] = (m, export_model(m, root / name, dtype="fp32", target="all"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_format_reads_back_in_every_claimed_engine(exports, name):
+    model, exp = exports[name]
+    rows = verify_export(exp, model=model)
+    table = format_table(rows)
+    status = {r.engine: r.status for r in rows}
+    assert status.pop("base") == "ok", table
+    assert {e for e, s in status.items() if s == "ok"} == EXPECT[name], table
+    assert all(s == "unsupported" for e, s in status.items() if e not in EXPECT[name]), table
+    assert all(r.max_abs_diff < 1e-4 for r in rows if r.status == "ok"), table
+    info = json.loads((exp / "export_info.json").read_text())
+    readme = (exp / "README.md").read_text()
+    for eng in EXPECT[name]:
+        assert info["engines"][eng]["dir"] == f"draft/{eng}" and f"Checked against" in readme
+    fresh = _model(name)
+    fresh.gpt.load_state_dict(model.gpt.state_dict())
+    import_draft(fresh, exp)  # the per-engine layouts import back exactly
+    with torch.no_grad():
+        if model.algorithm == "medusa":
+            a, b = (m.medusa_logits(m.base_forward(IDS).hidden) for m in (fresh, model))
+        else:
+            a, b = (m.draft_step(IDS[:, 1:], m.fuse(m.base_features(m.base_forward(IDS)))[:, :-1])[1]
+                    for m in (fresh, model))
+    assert (a - b).abs().max() < 1e-5
+
+
+def _copy(src, dst, conf_edit=None, tensor_edit=None, weights="model.safetensors"):
+    shutil.copytree(src, dst)
+    conf = json.loads((dst / "config.json").read_text())
+    if conf_edit:
+        conf_edit(conf)
+    (dst / "config.json").write_text(json.dumps(conf))
+    if tensor_edit:
+        w = load_file(str(dst / weights))
+        tensor_edit(w)
+        save_file(w, str(dst / weights))
+    return dst
+
+
+def _draft(model, ids=IDS):
+    with torch.no_grad():
+        out = model.base_forward(ids)
+        return model.draft_step(ids[:, 1:], model.fuse(model.base_features(out))[:, :-1])[1]
+
+
+def test_bug1_eagle1_bias_field_and_fc_bias_in_vllm(exports, tmp_path):
+    """Old EAGLE-1 output: 'bias': true + fc.bias. vLLM reads 'bias' as attention bias (llama.py:267-271): the
+    q/k/v/o biases it builds are not in the file; without the field it drops fc.bias (a different function)."""
+    model, exp = exports["eagle1"]
+    run = base_forward(exp / "base", IDS)
+    old = exp / "draft" / "reference"  # what the single draft/ used to be
+    with pytest.raises(EngineMismatch, match="torch.empty.*o_proj.bias"):
+        vllm.draft_logits("eagle1", old, run, IDS)
+    no_field = _copy(old, tmp_path / "nofield", conf_edit=lambda c: c.pop("bias"))
+    theirs = vllm.draft_logits("eagle1", no_field, run, IDS)
+    assert (theirs - _draft(model)).abs().max() > 1e-3  # fc.bias silently ignored
+    ours = vllm.draft_logits("eagle1", exp / "draft" / "vllm", run, IDS)  # the fold keeps the function exact
+    assert (ours - _draft(model)).abs().max() < 1e-4
+    assert json.loads((exp / "draft" / "vllm" / "config.json").read_text()).get("bias") is None
+
+
+def test_bug2_sglang_eagle1_needs_its_architecture(exports):
+    _, exp = exports["eagle1"]
+    run = base_forward(exp / "base", IDS)
+    with pytest.raises(EngineMismatch, match="LlamaForCausalLMEagle"):
+        sglang.draft_logits("eagle1", exp / "draft" / "reference", run, IDS)  # LlamaForCausalLM, as before
+    conf = json.loads((exp / "draft" / "sglang" / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle"] and "bias" not in conf
+
+
+def test_bug3_sglang_aux_ids_are_zero_based(exports, tmp_path):
+    """Old output wrote vLLM's ids (layer+1) under eagle_config; SGLang adds another +1 (llama.py:941)."""
+    model, exp = exports["eagle3_reduced"]
+    run = base_forward(exp / "base", IDS)
+    old = _copy(exp / "draft" / "sglang", tmp_path / "old", conf_edit=lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]))
+    ours = sglang.draft_logits("eagle3", exp / "draft" / "sglang", run, IDS)
+    with pytest.raises(EngineMismatch, match="distinct hidden states"):  # [1,2,3]+1 -> layer 4 is never captured
+        sglang.draft_logits("eagle3", old, run, IDS)
+    full = torch.full_like(ours, float("-inf"))
+    assert torch.isfinite(ours).sum() == 2 * 8 * 48 and not torch.equal(ours, full)
+    assert json.loads((exp / "draft" / "sglang" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert json.loads((exp / "draft" / "vllm" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [
+        1, 2, 3]
+
+
+def test_bug4_vllm_full_vocab_has_no_d2t(exports, tmp_path):
+    _, exp = exports["eagle3_full_2layers"]
+    run = base_forward(exp / "base", IDS)
+    assert "d2t" not in load_file(str(exp / "draft" / "vllm" / "model.safetensors"))
+    old = _copy(exp / "draft" / "vllm", tmp_path / "old",
+                tensor_edit=lambda w: w.update(d2t=torch.zeros(96, dtype=torch.long)))
+    with pytest.raises(EngineMismatch, match="d2t stored for a full-vocabulary draft"):
+        vllm.draft_logits("eagle3", old, run, IDS)
+
+
+def test_bug5_repeated_aux_layers_are_merged_for_the_engines(exports, tmp_path):
+    """aux [1, 1, 0]: engines capture the distinct layers sorted ([0, 1]); the old fc [h, 3h] was a shape error."""
+    model, exp = exports["eagle3_repeated_aux"]
+    run = base_forward(exp / "base", IDS)
+    w = load_file(str(exp / "draft" / "vllm" / "model.safetensors"))
+    assert tuple(w["fc.weight"].shape) == (64, 128)
+    old_fc = model.eagle_module.fc.weight.detach().clone()
+    old = _copy(exp / "draft" / "vllm", tmp_path / "old",
+                conf_edit=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 2, 1], eagle_config={
+                    "eagle_aux_hidden_state_layer_ids": [2, 2, 1], "use_aux_hidden_state": True}),
+                tensor_edit=lambda w: w.update({"fc.weight": old_fc}))
+    with pytest.raises(EngineMismatch, match="shape error at run time"):
+        vllm.draft_logits("eagle3", old, run, IDS)
+
+
+def test_bug6_sglang_multi_layer_eagle3_uses_hidden_norm(exports, tmp_path):
+    model, exp = exports["eagle3_full_2layers"]
+    run = base_forward(exp / "base", IDS)
+    # layers >= 1 as input_layernorm (the old single layout), aux ids already in SGLang's numbering
+    old = _copy(exp / "draft" / "vllm", tmp_path / "old", conf_edit=lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[0, 1, 2]))
+    with pytest.raises(EngineMismatch, match="layers.1.hidden_norm"):
+        sglang.draft_logits("eagle3", old, run, IDS)
+    assert "layers.1.hidden_norm.weight" in load_file(str(exp / "draft" / "sglang" / "model.safetensors"))
+
+
+def test_bug7_no_medusa_for_vllm_033_and_stale_claims_gone(exports, tmp_path):
+    model, exp = exports["medusa"]
+    with pytest.raises(ExportError, match="vllm 0.33.0 cannot serve a medusa draft"):
+        export_model(model, tmp_path / "x", target="vllm")
+    assert not (tmp_path / "x").exists()
+    readme = (exp / "README.md").read_text()
+    assert "vllm serve" not in readme and "draft_vllm_legacy" in readme
+    for _, e in exports.values():
+        text = (e / "README.md").read_text()
+        assert "loads strictly" not in text and "single `midlayer`" not in text
+
+
+def test_single_target_writes_draft_dir_and_verifies_at_export(tmp_path):
+    model = make_model("eagle3", seed=2).eval()
+    exp = export_model(model, tmp_path / "v", dtype="fp32", target="sglang", verify=True)
+    assert (exp / "draft" / "config.json").is_file() and not (exp / "draft" / "vllm").exists()
+    with pytest.raises(ExportError, match="EaModel captures the inputs of layers 2, L//2, L-3"):
+        export_model(model, tmp_path / "r", target="reference")
+
+
+def test_verify_script_exit_codes(tmp_path, capsys):
+    from nemo_spec.checkpoint import save_checkpoint
+    from nemo_spec.export.cli import verify_main
+
+    model = make_model("eagle1", seed=4).eval()
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    exp = export_checkpoint(ckpt, tmp_path / "exp", dtype="fp32", verify=True)
+    assert verify_main([str(exp), "--checkpoint", str(ckpt)]) == 0
+    assert "sglang" in capsys.readouterr().out
+    w = load_file(str(exp / "draft" / "sglang" / "model.safetensors"))
+    w["fc.bias"] = w["fc.bias"] + 0.5
+    save_file(w, str(exp / "draft" / "sglang" / "model.safetensors"))
+    assert verify_main([str(exp), "--checkpoint", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert "sglang     mismatch" in out and "vllm       ok" in out
+
+
+def test_draft_vocab_counts_loss_masked_targets_only():
+    from nemo_spec.training.run import token_counts
+
+    class S:
+        def __init__(self, ids, mask):
+            self.input_ids, self.loss_mask = torch.tensor(ids), torch.tensor(mask)
+
+    class D:
+        samples = [S([5, 5, 5, 7, 8], [0, 0, 0, 1, 1]), S([5, 9], [0, 1])]
+
+    c = token_counts(D(), 16)
+    assert c[5] == 0 and c[7] == 1 and c[8] == 1 and c[9] == 1 and int(c.sum()) == 3  # prompt tokens excluded
+    D.samples.append(S([3, 16], [1, 1]))
+    with pytest.raises(ValueError, match="token id 16 outside the base vocabulary"):
+        token_counts(D(), 16)  # used to be clamped into id 15
