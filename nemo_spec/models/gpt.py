@@ -77,8 +77,9 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
 
 
 def is_speculative(model: torch.nn.Module) -> bool:
-    """True for a SpeculativeGPT (a frozen base ``.gpt`` plus a draft and its ``spec_config``)."""
-    return hasattr(model, "spec_config") and hasattr(model, "gpt")
+    """True for a SpeculativeGPT (a frozen base ``.gpt`` plus a draft and its ``spec_config``) itself, not a wrapper
+    that forwards attribute lookups to it (megatron's DDP does)."""
+    return "spec_config" in vars(model) and "gpt" in getattr(model, "_modules", {})
 
 
 def unwrap_speculative(model: torch.nn.Module) -> Optional[torch.nn.Module]:

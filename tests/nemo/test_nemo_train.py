@@ -82,7 +82,7 @@ def build(tmp: Path, max_steps: int, resume: bool = False):
                                                                 use_distributed_optimizer=False)),
         log=nl.NeMoLogger(log_dir=str(tmp / "logs"), name="draft", use_datetime_version=False,
                           ckpt=nl.ModelCheckpoint(save_last=True, every_n_train_steps=STEPS, save_top_k=1,
-                                                  monitor="reduced_train_loss")),
+                                                  monitor="reduced_train_loss", save_optim_on_train_end=True)),
         resume=nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=False) if resume else None,
     )
     return ns, record
