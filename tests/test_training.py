@@ -191,6 +191,15 @@ def test_resume_is_exact(base, tmp_path, monkeypatch):
     full_losses = _metric(tmp_path / "full", "train_loss")
     split_losses = _metric(tmp_path / "split", "train_loss")
     assert split_losses[-3:] == pytest.approx(full_losses[-3:], rel=1e-5)
+    from megatron.core import dist_checkpointing
+
+    def common(run):  # the resumed run's own next checkpoint must carry the same loop and data position
+        return dist_checkpointing.load_common_state_dict(str(tmp_path / run / "checkpoints" / "step0000006"))
+
+    assert common("split")["data_position"] == common("full")["data_position"]
+    loops = [{k: v for k, v in common(run)["loops"]["fit_loop"].items() if k.startswith("epoch_loop.")}
+             for run in ("split", "full")]  # batch / optimizer / scheduler progress, _batches_that_stepped
+    assert loops[0] == loops[1]
 
 
 def _with_stop(trainer, step):

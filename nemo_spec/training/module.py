@@ -94,6 +94,7 @@ class SpeculativeLightningModule(pl.LightningModule):
         self.model: Optional[torch.nn.Module] = None
         self._consumed_in_epoch = 0
         self._resume_position: Optional[Dict[str, int]] = None
+        self._resumed_epoch: Optional[int] = None  # epoch whose data position on_train_start restored
         self.samples_per_batch = 0  # global samples per micro-batch step (train_bs x DP), set by the runner
 
     # ---- model ------------------------------------------------------------------------------------------
@@ -236,11 +237,15 @@ class SpeculativeLightningModule(pl.LightningModule):
         self._resume_position = checkpoint.get("data_position")
 
     def on_train_start(self) -> None:
-        """Mid-epoch resume: Lightning does not call on_train_epoch_start for the restarted epoch."""
-        self._apply_resume_position()
+        """Mid-epoch resume: position the sampler here, as Lightning >= 2.5 does not call on_train_epoch_start for
+        the restarted epoch (lightning 2.6.6 loops/fit_loop.py:447-452)."""
+        self._resumed_epoch = self.current_epoch if self._apply_resume_position() else None
 
     def on_train_epoch_start(self) -> None:
-        if not self._apply_resume_position():
+        # Lightning 2.4 does call it for the restarted epoch, after on_train_start (2.4.0 loops/fit_loop.py:345-346):
+        # keep the restored count there (resetting it made the next checkpoint's data position wrong).
+        resumed, self._resumed_epoch = getattr(self, "_resumed_epoch", None), None
+        if not self._apply_resume_position() and resumed != self.current_epoch:
             self._consumed_in_epoch = 0
 
     def _apply_resume_position(self) -> bool:

@@ -157,6 +157,11 @@ class MegatronStrategy(SingleDeviceStrategy):
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
+    # ---- resume ---------------------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        complete_batch_end_restart(self.lightning_module.trainer)
+
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """Only the trainable state (draft parameters and buffers; the whole model when nothing is frozen)."""
@@ -285,6 +290,40 @@ class MegatronStrategy(SingleDeviceStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
+
+
+# ---- Lightning < 2.5: restart from a checkpoint saved in on_train_batch_end -----------------------------------
+def complete_batch_end_restart(trainer: Any) -> bool:
+    """Count the batch a periodic checkpoint was saved in as completed, as Lightning >= 2.5 does on restart.
+
+    ModelCheckpoint(every_n_train_steps) saves inside ``on_train_batch_end``, before the epoch loop counts that
+    batch as completed (lightning 2.4.0 loops/training_epoch_loop.py:269-273), so the saved ``batch_progress`` is
+    ready=started=processed=n, completed=n-1 and ``_batches_that_stepped`` is one short (bumped later, in
+    ``on_advance_end``, :302-304). Lightning 2.6.6 repairs both when the loop restarts
+    (loops/training_epoch_loop.py:193-204, ``restarted_on_train_batch_end``). Lightning 2.4.0 only rewinds to the
+    completed count (training_epoch_loop.py:149-152 -> progress.py:69 ``ready = completed``): the resumed run's
+    batch counter is one behind, so with gradient accumulation its first optimizer step comes one micro-batch
+    early (batch_idx n-1 again: ``_accumulated_batches_reached`` at :329) and every later step straddles the
+    saved step's accumulation boundary. The data itself is positioned by the sampler (consumed samples), so only
+    the counters are off; this applies 2.6's repair on Lightning builds without it. Called from ``on_train_start``
+    (fit_loop.py:329 in 2.4.0), after the loops are restored and the train dataloader is set up, before the epoch
+    loop's ``reset`` rewinds ``current`` to ``completed``. Returns whether it changed anything.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "restarted_on_train_batch_end"):  # lightning >= 2.5 does this itself
+        return False
+    total = loop.batch_progress.total
+    if not (loop.restarting and total.ready == total.started == total.processed == total.completed + 1):
+        return False
+    loop.batch_progress.increment_completed()  # total and current
+    # 2.4 reruns the saved batch's validation when the restarted loop is at a validation batch
+    # (training_epoch_loop.py:199-201) and then bumps _batches_that_stepped in on_advance_end itself (:302-304).
+    reruns_val = loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    if not loop._should_accumulate() and not reruns_val:
+        loop._batches_that_stepped += 1
+    log.info("resume: the checkpoint's batch (saved in on_train_batch_end) counted as completed, %d in this epoch "
+             "(Lightning < 2.5)", loop.batch_progress.current.completed)
+    return True
 
 
 # ---- training-checkpoint helpers -----------------------------------------------------------------------------
