@@ -43,3 +43,45 @@ def test_nccl_tp2_logits_equal_tp1(tmp_path):
     path = tmp_path / "blob.pt"
     torch.save({"config": cfg.to_dict(), "state_dict": sd, "input_ids": x.cpu(), "logits": logits.cpu()}, path)
     assert "TP2_MAX_ERR" in run_torchrun(ROOT / "tests" / "dist_scripts" / "tp_logits.py", [path])
+
+
+def test_transformer_engine_spec_base_trains_a_draft_through_its_own_forward():
+    """Every NeMo / Megatron-LM GPU user's base: megatron's Transformer Engine layer spec (fused layer norm in
+    linear_qkv / linear_fc1, TEDotProductAttention). The draft trains on the model's own forward; generation
+    refuses it until converted, and the conversion reproduces its logits."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine not installed")
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_spec.models.foreign import ForeignSpecError, foreign_forward, is_project_spec, to_project_spec
+    from nemo_spec.speculative import SpeculativeTransform
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                            init_method_std=0.05)
+    gpt = GPTModel(cfg, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128, max_sequence_length=64,
+                   position_embedding_type="rope", share_embeddings_and_output_weights=False).cuda()
+    assert not is_project_spec(gpt)
+    x = torch.randint(0, 128, (2, 16), device="cuda")
+    pos = torch.arange(16, device="cuda")[None].expand(2, 16)
+    with torch.no_grad():
+        own = gpt(x, pos, None)
+        out = foreign_forward(gpt, x)
+    assert torch.equal(out.logits, own)
+    model = SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)(gpt)
+    loss = model.training_losses(x)["loss"]
+    loss.backward()
+    assert all(p.grad is not None for p in model.draft_parameters() if p.dim() > 1)
+    assert all(p.grad is None for p in model.gpt.parameters())
+    from nemo_spec.inference import SamplingParams, generate
+
+    with pytest.raises(ForeignSpecError):
+        generate(model, [[1, 2, 3]], SamplingParams(max_new_tokens=4), method="eagle")
+    conv = to_project_spec(model)
+    with torch.no_grad():
+        got = gpt_forward(conv.gpt, x).logits
+    assert torch.allclose(got, own, atol=1e-4, rtol=1e-4)

@@ -271,6 +271,26 @@ def test_transform_swaps_inside_lightning_module():
         SpeculativeTransform(algorithm="eagle1")(h)
 
 
+def test_transforming_the_submodule_swaps_it_in_its_holder():
+    """NeMo users write transform(lightning_module.module): the holder must end up with the draft, not a frozen base
+    and 0 trainable parameters."""
+    import lightning.pytorch as pl
+
+    class Holder(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.module = build_gpt(_cfg())
+
+    h = Holder()
+    gpt = h.module
+    out = SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)(h.module)
+    assert isinstance(out, SpeculativeGPT) and out.gpt is gpt and h.module is out
+    trainable = {id(p) for p in h.parameters() if p.requires_grad}
+    assert trainable and trainable == {id(p) for p in out.draft_parameters()}
+    lone = build_gpt(_cfg())  # held by nobody: just returned
+    assert SpeculativeTransform(algorithm="eagle1")(lone).gpt is lone
+
+
 @pytest.mark.parametrize("make", [_cfg, tiny_gpt2])
 def test_model_config_derived_for_foreign_gpt_model(make):
     """A GPTModel without nemo_spec's config attribute (e.g. NeMo's) gets its ModelConfig from megatron's config."""

@@ -131,7 +131,9 @@ class SpeculativeTransform:
         if isinstance(model, SpeculativeGPT):
             return self._reapply(model)
         if isinstance(model, GPTModel):
-            return self._transform_gpt(model)
+            new_model = self._transform_gpt(model)
+            _swap_in_holders(model, new_model)
+            return new_model
         parent, name, found = _find_holder(model)
         if found is None:
             raise TypeError(f"SpeculativeTransform: no megatron-core GPTModel found inside {type(model).__name__} "
@@ -170,6 +172,28 @@ class SpeculativeTransform:
             gpt.nemo_spec_config = model_config
             log.info("derived ModelConfig from the megatron config of %s: %s", type(gpt).__name__, model_config)
         return SpeculativeGPT(gpt, cfg, model_config)
+
+
+def _swap_in_holders(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Replace ``old`` by ``new`` in every module that holds it as a child (e.g. ``transform(lightning_module.module)``:
+    without this the holder would keep the now-frozen base and train nothing)."""
+    import gc
+
+    for ref in gc.get_referrers(old):
+        if not isinstance(ref, dict) or ref is vars(new):
+            continue
+        names = [k for k, v in ref.items() if v is old]
+        holders = []
+        for r in gc.get_referrers(ref):  # the holder itself, or its instance __dict__ (then the holder refers to it)
+            cands = [r] if isinstance(r, torch.nn.Module) else (
+                gc.get_referrers(r) if isinstance(r, dict) and r.get("_modules") is ref else [])
+            holders += [m for m in cands if isinstance(m, torch.nn.Module) and getattr(m, "_modules", None) is ref]
+        for holder in holders:
+            if holder is not new:
+                for name in names:
+                    holder._modules[name] = new
+                    log.info("replaced %s.%s with the SpeculativeGPT (the transform was given the submodule)",
+                             type(holder).__name__, name)
 
 
 def _find_holder(root: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], str, Optional[torch.nn.Module]]:

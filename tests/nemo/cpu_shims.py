@@ -53,6 +53,11 @@ def apply() -> None:
         return original_to(self, *args, **kwargs)
 
     torch.Tensor.to = to  # type: ignore[assignment]
+    # nemo/lightning/io/pl.py:495 `assert torch.cuda.is_initialized()` in _fix_tensors_device, run on every resume
+    # (pl.py:307); CPU tensors need no device fix
+    from nemo.lightning.io import pl as nemo_io_pl
+
+    nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
     _APPLIED = True
 
 

@@ -191,3 +191,32 @@ def test_trained_draft_exports_and_generates_losslessly(first_run, tmp_path):
     base = load_model(out / "base")
     assert generate(base, prompt, params, method="ar")[0].tokens == ar
     assert (out / "draft").is_dir() or any(out.glob("*eagle*")), sorted(p.name for p in out.iterdir())
+
+
+def test_gpt_speculate_takes_a_nemo_checkpoint(first_run, tmp_path):
+    """The seed usage: scripts/gpt_speculate.py --model_path <NeMo 2 checkpoint> (no NeMo import needed)."""
+    import subprocess
+    import sys
+
+    from nemo_spec.checkpoint import load_model
+
+    tmp, _, rec = first_run
+    last = sorted((tmp / "logs" / "draft" / "checkpoints").glob("*-last"))[-1]
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpt_speculate.py"
+    import os
+
+    # a fresh process, as a user runs it (Lightning left this process's distributed variables set)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "NODE_RANK")}
+    r = subprocess.run([sys.executable, str(script), "--model_path", str(last), "--export_dir",
+                        str(tmp_path / "spec"), "--num_eagle_layers", "1"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    spec = load_model(tmp_path / "spec")
+    assert unwrap_speculative(spec) is spec and spec.algorithm == "eagle3"
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = foreign_forward(rec.spec.gpt, ids).logits
+        got = gpt_forward(spec.gpt, ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
