@@ -329,7 +329,7 @@ class Session:
         tok, val = pad_chains(pieces, pad=self.pad_id, device=dev)
         nxt_t, _ = pad_chains(nxt, n=tok.shape[1], pad=self.pad_id, device=dev)
         view = self.kv.view(lo, hi)
-        ctx = _chain_block(view, tok, val, self.max_pos, max_length=max(before))
+        ctx = _chain_block(view, tok, val, self.max_pos, max_length=max(before), padded=True)
         out = gpt_forward(self.engine.target, tok, ctx, aux_layers=self.aux, compute_logits=False)
         counts_dev = tensor(counts, dev)
         view.lengths += counts_dev

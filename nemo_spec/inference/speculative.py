@@ -179,11 +179,11 @@ class PromptLookupProposer(ARProposer):
 
 
 def _chain_block(cache, tokens: torch.Tensor, valid: torch.Tensor, max_pos: int, prefix=None, depth0: int = 0,
-                 max_length: Optional[int] = None):
-    """Context for right-padded ragged chains [b, n] appended to ``cache``."""
+                 max_length: Optional[int] = None, padded: bool = False):
+    """Context for right-padded ragged chains [b, n] appended to ``cache`` (``padded``: see block_context)."""
     anc, depth = chain_mask(valid)
     return block_context(cache, anc, depth + depth0, max_pos, prefix, max_length=max_length,
-                         single_decode=tokens.shape[1] == 1 and prefix is None)
+                         single_decode=tokens.shape[1] == 1 and prefix is None, padded=padded)
 
 
 def _last_valid(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -274,7 +274,7 @@ class DraftModelProposer(ARProposer):
         """Prefill the draft's own cache with the same prompt chunk."""
         view = self.cache.view(ch.lo, ch.hi)
         ctx = _chain_block(view, ch.tokens, ch.valid, self.dcfg.max_position_embeddings,
-                           max_length=max(self.count[ch.lo:ch.hi]))
+                           max_length=max(self.count[ch.lo:ch.hi]), padded=True)
         gpt_forward(self.draft, ch.tokens, ctx, compute_logits=False)
         view.lengths += ch.counts_dev
         for i, c in enumerate(ch.counts):
@@ -436,7 +436,7 @@ class EagleProposer(_SpecModelProposer):
         new token; rows whose prompt is complete get their drafting root."""
         feats = self._features(ch.out)
         view = self.cache.view(ch.lo, ch.hi)
-        ctx = _chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before))
+        ctx = _chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
         hid, logits = self.spec.draft_step(ch.next_ids, feats, ctx)
         view.lengths += ch.counts_dev
         if any(ch.final):

@@ -92,7 +92,7 @@ def chain_parents(b: int, n: int, device: torch.device) -> torch.Tensor:
 
 def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_pos: int,
                   prefix: Optional[torch.Tensor] = None, max_length: Optional[int] = None,
-                  single_decode: bool = False) -> AttnContext:
+                  single_decode: bool = False, padded: bool = False) -> AttnContext:
     """Context for a block of n new entries per row written after each row's committed cache entries.
 
     ``prefix`` [b, n, S] optionally marks which of S earlier uncommitted entries (slots
@@ -100,16 +100,22 @@ def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_po
     at ``lengths + S``. ``depth`` [b, n] is the position offset of each entry after the committed ones.
     ``max_length``: the largest committed length of the rows, when the caller knows it on the host (else it is
     read from the device: a sync). ``single_decode``: the caller knows this is one row, one new entry and
-    no left padding (then the mask allows everything and SDPA runs unmasked).
+    no left padding (then the mask allows everything and SDPA runs unmasked). ``padded``: entries past the
+    cache end are padding (right-padded prompt chunks): they are written to the last slot, which holds no
+    committed entry, instead of overflowing.
     """
     b, n = depth.shape
     dev = depth.device
     S = 0 if prefix is None else prefix.shape[-1]
     lengths, starts = cache.lengths, cache.starts
     kv = (int(lengths.max()) if max_length is None else int(max_length)) + S + n
+    if padded:
+        kv = min(kv, cache.max_len)
     if kv > cache.max_len:
         raise SamplingError(f"KV cache overflow: need {kv} slots, cache has {cache.max_len}")
     write = lengths[:, None] + S + torch.arange(n, device=dev)[None]
+    if padded:
+        write = write.clamp(max=cache.max_len - 1)
     j = torch.arange(kv, device=dev)[None]
     committed = (j >= starts[:, None]) & (j < lengths[:, None])
     full = anc if prefix is None else torch.cat([prefix, anc], dim=-1)  # [b, n, S + n]
