@@ -118,8 +118,8 @@ def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method)
     outs = generate(model, prompts, sp, method=method, draft_model=draft, options={**opts, "adaptive": True})
     assert [o.tokens for o in outs] == [o.tokens for o in ar]
     info = outs[0].stats["session"]
-    chosen = info["adaptive"]["chosen"]
-    assert sum(chosen.values()) == info["steps"]  # every step decoded (rows join in the step that prefills them)
+    assert sum(info["levels"].values()) == info["steps"]  # every step decoded (rows join in the step prefilling them)
+    chosen = info["adaptive"]["chosen"]  # draft nodes -> steps, over this model's adaptive sessions
     assert 0 in chosen and max(chosen) == 4  # explored plain decoding and the full draft
     assert sum(outs[0].stats["speculation_levels"].values()) == outs[0].stats["target_forwards"] - 1
 

@@ -130,7 +130,11 @@ class Session:
         self._next_handle = 0
         self._in_step = False
         self.steps = 0
-        self.adaptive = AdaptiveSpeculation(self.proposer) if adaptive else None
+        self.adaptive: Optional[AdaptiveSpeculation] = None
+        if adaptive:  # one cost model per model and method configuration, kept across sessions
+            store = self.engine.__dict__.setdefault("adaptive", {})
+            key = (self.proposer.name, tuple(self.proposer.levels), self.slots)
+            self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
         self.level_hist: Dict[int, int] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
