@@ -20,7 +20,7 @@ from nemo_spec.models import gpt_forward, model_config, new_kv_cache, unwrap, un
 from nemo_spec.inference.engine import DraftTree, Engine, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError, SamplingParams, sample_from, warp_rows
 from nemo_spec.inference.transfer import h2d, tensor
-from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, block_context, chain_mask, chain_parents, select_tree,
+from nemo_spec.inference.trees import (DEFAULT_MEDUSA_CHOICES, block_context, chain_mask, select_tree,
                                        medusa_tree, pad_chains, validate_medusa_choices)
 
 log = logging.getLogger(__name__)
