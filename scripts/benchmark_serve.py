@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Serving throughput at 1/4/8/16 concurrent streams vs sequential requests.
+"""Serving throughput at 1/4/8/16 concurrent streams vs sequential requests, or Poisson arrivals per scheduler.
 
 Against a running server:      python scripts/benchmark_serve.py --base-url http://127.0.0.1:8000/v1 --model default
 Serving a checkpoint in-process: python scripts/benchmark_serve.py --checkpoint /ckpt/model --max-batch 16 [--method eagle]
+Old batcher vs continuous batching under Poisson arrivals (in-process, same arrivals for both):
+    python scripts/benchmark_serve.py --checkpoint /ckpt/model --poisson 2,4,8 --requests 32
 """
 import argparse
 import json
@@ -29,9 +31,28 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="use chat.completions instead of completions")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="arrival rates (requests/s): compare the schedulers (batch vs continuous) under Poisson load")
+    p.add_argument("--schedulers", default="batch,continuous")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nemo_spec.serve.benchmark import format_table, results_dict, run_benchmark
+
+    if a.poisson:
+        if not a.checkpoint:
+            p.error("--poisson needs --checkpoint (each scheduler is served in-process)")
+        from dataclasses import asdict
+
+        from nemo_spec import parallel
+        from nemo_spec.serve.benchmark import compare_schedulers, format_poisson
+
+        parallel.initialize(1)
+        res = compare_schedulers(a.checkpoint, a.poisson, a.requests or 32, a.max_tokens, a.method, a.options,
+                                 a.max_batch, a.schedulers.split(","))
+        print(format_poisson(res))
+        if a.json:
+            Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))
+        return 0
 
     server = None
     if a.checkpoint:

@@ -58,6 +58,25 @@ def test_ar_batched_equals_unbatched_equals_naive(make):
     ref = [naive_greedy(m, p, 10) for p in PROMPTS]
     assert [o.tokens for o in generate(m, PROMPTS, sp)] == ref
     assert [generate(m, [p], sp)[0].tokens for p in PROMPTS] == ref
+    assert _joining(m, "ar", None, ref) is not None
+
+
+# Rows joining and leaving mid-flight: twice the prompts through 3 slots, budgets 4..10 tokens (rows finish at
+# different steps, queued ones take their slots) and prompts read 4 tokens per step (chunked prefill
+# interleaved with other rows' decode steps). Each row must still be the AR continuation.
+JOIN_OPTS = {"max_batch": 3, "prefill_chunk_tokens": 4}
+
+
+def _joining(model, method, draft, ref, opts=None):
+    prompts = PROMPTS + PROMPTS[::-1]
+    refs = ref + ref[::-1]
+    budgets = [4 + (3 * i) % 7 for i in range(len(prompts))]
+    outs = generate(model, prompts, [SamplingParams(max_new_tokens=n) for n in budgets], method=method,
+                    draft_model=draft, options={**(opts or {}), **JOIN_OPTS})
+    assert [o.tokens for o in outs] == [r[:n] for r, n in zip(refs, budgets)]
+    assert any(o.stats["prefill_chunks"] > 1 for o in outs)  # a prompt was read over several steps
+    assert outs[0].stats["session"]["steps"] > max(budgets)  # rows queued behind others: more steps than one row
+    return outs
 
 
 CASES = [("prompt_lookup", None), ("draft_model", "random"), ("draft_model", "noisy"), ("eagle", "eagle1"),
@@ -77,6 +96,7 @@ def test_speculative_greedy_equals_ar(llama, method, kind):
     assert [o.tokens for o in outs] == ref
     assert [generate(model, [p], sp, method=method, draft_model=draft, options=OPTS)[0].tokens
             for p in PROMPTS[:2]] == ref[:2]
+    _joining(model, method, draft, ref, OPTS)
     for o in outs:
         s = o.stats
         assert s["method"] == method and s["new_tokens"] == 10
@@ -267,6 +287,8 @@ def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, 
     accepted = [sum(m * c for m, c in enumerate(o.stats["accept_hist"])) for o in outs]
     assert sum(accepted) >= 4, accepted  # drafts accepted: multi-token steps, cache compaction exercised
     assert len({tuple(o.stats["accept_hist"]) for o in outs}) > 1  # rows advanced by different amounts
+    joined = _joining(trained[kind], method, None, ref, OPTS)  # with slots moving under accepted drafts
+    assert sum(sum(m * c for m, c in enumerate(o.stats["accept_hist"])) for o in joined) >= 4
 
 
 def test_medusa_custom_choices_and_tree_options(llama, trained):

@@ -47,11 +47,16 @@ def setup():
     return target, draft, specs, exact
 
 
-def _stat(setup, method, kind=None):
+# rows joining and leaving mid-flight: N rows through 256 slots, prompts read 480 tokens per step (60 rows)
+JOINING = {"max_batch": 256, "prefill_chunk_tokens": 480}
+
+
+def _stat(setup, method, kind=None, joining=False):
     target, draft, specs, exact = setup
     model = specs[kind] if kind else target
     params = [SamplingParams(seed=1000 + i, **PARAMS) for i in range(N)]
-    outs = generate(model, [PROMPT] * N, params, method=method, draft_model=draft, options=OPTS)
+    outs = generate(model, [PROMPT] * N, params, method=method, draft_model=draft,
+                    options={**OPTS, **(JOINING if joining else {})})
     samples = [tuple(o.tokens) for o in outs]
     assert all(len(s) == NEW for s in samples)
     stat, df = chi2_stat(samples, exact)
@@ -59,10 +64,11 @@ def _stat(setup, method, kind=None):
     return stat, chi2_critical(df), tau
 
 
+@pytest.mark.parametrize("joining", [False, True], ids=["fixed", "joining"])
 @pytest.mark.parametrize("method,kind", [("ar", None), ("prompt_lookup", None), ("draft_model", None),
                                          ("eagle", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa")])
-def test_speculative_sampling_matches_ar(setup, method, kind):
-    stat, crit, tau = _stat(setup, method, kind)
+def test_speculative_sampling_matches_ar(setup, method, kind, joining):
+    stat, crit, tau = _stat(setup, method, kind, joining)
     assert stat < crit, (method, stat, crit)
     if method != "ar":
         assert tau > 1.0  # drafts were accepted at least sometimes: the rule was really exercised
@@ -71,13 +77,14 @@ def test_speculative_sampling_matches_ar(setup, method, kind):
 @pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle", "eagle1"), ("eagle_tree", "eagle3"),
                                          ("medusa", "medusa"), ("prompt_lookup", None)])
 def test_wrong_residual_is_caught(setup, method, kind, monkeypatch):
-    monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # resample from p instead of norm(max(0, p - q))
+    # the engine accepts every row at once on the device (sampling.tree_accept_rows): break its residual there
+    monkeypatch.setattr(sampling, "residual_rows", lambda p, q: p)  # resample from p instead of norm(max(0, p - q))
     stat, crit, _ = _stat(setup, method, kind)
     assert stat > crit, (method, stat, crit)
 
 
 def test_accept_always_is_caught(setup, monkeypatch):
-    monkeypatch.setattr(sampling, "accept_test", lambda p_x, q_x, u: True)
+    monkeypatch.setattr(sampling, "accept_rows", lambda p_x, q_x, u: torch.ones_like(p_x, dtype=torch.bool))
     stat, crit, _ = _stat(setup, "draft_model")
     assert stat > crit, (stat, crit)
 
@@ -90,3 +97,26 @@ def test_same_seed_same_tokens_regardless_of_batch(setup):
                                                              SamplingParams(seed=1, temperature=1.0, max_new_tokens=6)],
                        method="draft_model", draft_model=draft)[1].tokens
     assert alone == batched
+
+
+@pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle_tree", "eagle3"), ("medusa", "medusa")])
+def test_seeded_row_joining_a_running_batch_samples_as_alone(setup, method, kind):
+    """A seeded row added while other rows are mid-generation (and others joining after it) gets the tokens it
+    gets alone: per-row generators, per-row draft sizes, slots moved under it as rows leave."""
+    from nemo_spec.inference.session import Session
+
+    target, draft, specs, _ = setup
+    model = specs[kind] if kind else target
+    sp = SamplingParams(seed=5, temperature=1.0, max_new_tokens=8)
+    alone = generate(model, [PROMPT], sp, method=method, draft_model=draft, options=OPTS)[0].tokens
+    sess = Session(model, method, draft, OPTS, max_batch=3, prefill_chunk_tokens=3)
+    others = [SamplingParams(seed=9, temperature=0.7, max_new_tokens=3), SamplingParams(max_new_tokens=12)]
+    for p, o in zip([PROMPT[:4], [4, 1]], others):
+        sess.add(p, o)
+    for _ in range(3):
+        sess.step()
+    h = sess.add(PROMPT, sp)
+    sess.step()
+    sess.add([2, 3, 4], SamplingParams(seed=1, temperature=1.0, max_new_tokens=5))
+    sess.run()
+    assert sess.result(h).tokens == alone

@@ -59,12 +59,14 @@ def test_seed_out_of_range_is_a_400(model, tok):
         assert ok.status_code == 200
 
 
-def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok):
-    """A request the engine cannot run (too long for the KV cache) shares a batch with three good ones: the
-    batch fails, is rerun request by request, and only the bad request gets the 500."""
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok, scheduler):
+    """A request the engine cannot run (too long for the KV cache) arrives with three good ones: only the bad
+    request gets the 500. The fixed-batch scheduler runs them in one batch, which fails and is rerun request by
+    request; the continuous one refuses the bad request when it would join, before any step."""
     ref = clone_model(model)
     prompts = ["the cat sat on", "we read code ,", "hello world , this"]
-    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=400,
+    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=400, scheduler=scheduler,
                      options={"max_cache_len": 24}) as srv:
         batcher = srv.manager.get("tiny").batcher
         before = batcher.batches_run
@@ -78,7 +80,45 @@ def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok):
         for p, g in zip(prompts, good):
             assert g.status_code == 200, g.text
             assert g.json()["choices"][0]["text"] == _greedy_text(ref, tok, p, 6)
-        assert batcher.batches_run - before >= 1 + 4  # one shared batch, then each request alone
+        if scheduler == "batch":
+            assert batcher.batches_run - before >= 1 + 4  # one shared batch, then each request alone
+        else:
+            assert batcher.step_failures == 0 and batcher.batches_run - before <= 2  # good ones ran together
+
+
+def test_a_step_that_fails_is_resumed_request_by_request(model, tok, monkeypatch):
+    """Continuous batching: a step raises whenever one (poison) request is in the batch. The session is reset,
+    every running request resumes alone from the tokens it has streamed; only the poison one fails (its stream
+    ends with an error event), the others finish with exactly the greedy text."""
+    from nemo_spec.inference.engine import Engine
+
+    ref = clone_model(model)
+    poison = tok("numbers 9 9 9").input_ids
+    orig = Engine.verify
+
+    def verify(self, st, *a, **kw):
+        if any(s[: len(poison)] == poison for s in st.seqs):
+            raise RuntimeError("poison row")
+        return orig(self, st, *a, **kw)
+
+    monkeypatch.setattr(Engine, "verify", verify)
+    prompts = ["the cat sat on", "we read code ,", "hello world , this"]
+    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=300) as srv:
+        with ThreadPoolExecutor(4) as ex:
+            bad = ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": poison, "max_tokens": 8,
+                                                             "temperature": 0, "stream": True})
+            good = [ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 8,
+                                                              "temperature": 0, "ignore_eos": True}) for p in prompts]
+            bad, good = bad.result(), [g.result() for g in good]
+        batcher = srv.manager.get("tiny").batcher
+        assert batcher.step_failures == 2  # shared, then the poison request alone
+    lines = [l for l in bad.text.splitlines() if l.startswith("data: ")]
+    assert '"server_error"' in lines[-2] and "poison row" in lines[-2] and lines[-1] == "data: [DONE]"
+    for p, g in zip(prompts, good):
+        assert g.status_code == 200, g.text
+        ids = tok(p).input_ids
+        want = generate(ref, [ids], SamplingParams(max_new_tokens=8), options={"ignore_eos": True})[0].tokens
+        assert g.json()["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------------------------ 2. big inputs
@@ -278,10 +318,11 @@ def test_n_above_max_batch_is_split_over_batches(model, tok):
         assert ch.text == tok.decode(want.tokens, skip_special_tokens=True)
 
 
-def test_free_slots_are_filled_from_queued_requests(model, tok):
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_free_slots_are_filled_from_queued_requests(model, tok, scheduler):
     """max_batch 3 with two n=2 requests queued: the first batch runs 3 rows (one of the second request's
     rows joins), not 2."""
-    with live_server(model, tok, name="tiny", max_batch=3, batch_wait_ms=500) as srv:
+    with live_server(model, tok, name="tiny", max_batch=3, batch_wait_ms=500, scheduler=scheduler) as srv:
         sizes = srv.app.state.metrics.batch_size
         with ThreadPoolExecutor(2) as ex:
             rs = [ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 4, "n": 2})
@@ -289,8 +330,13 @@ def test_free_slots_are_filled_from_queued_requests(model, tok):
             assert all(r.result().status_code == 200 for r in rs)
         series = sizes._series[()]
         buckets = dict(zip(sizes.buckets, series[0]))
-        # cumulative buckets: two batches, one of 1 row and one of 3 (was: two batches of 2)
-        assert series[1][1] == 2 and buckets[1] == 1 and buckets[2] == 1 and buckets[4] == 2
+        if scheduler == "batch":
+            # cumulative buckets: two batches, one of 1 row and one of 3 (was: two batches of 2)
+            assert series[1][1] == 2 and buckets[1] == 1 and buckets[2] == 1 and buckets[4] == 2
+        else:
+            # rows in the batch at each admission: the first joined 3 rows; the last row joins when a slot frees
+            n = series[1][1]
+            assert n >= 2 and n - buckets[2] >= 1 and buckets[4] == n
 
 
 # ------------------------------------------------------------------------------------ 4. SIGTERM

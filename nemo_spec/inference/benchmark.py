@@ -63,10 +63,16 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
         tokens: List[List[int]] = []
         taus: List[float] = []
         tf = df = 0
+        chosen: Dict[int, int] = {}  # draft nodes per row -> steps (what adaptive speculation chose)
         _sync(dev)
         t0 = time.perf_counter()
         for chunk in _chunks(prompts, batch_size):
-            for r in generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts):
+            outs = generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts)
+            sess = outs[0].stats.get("session", {})
+            for lv, k in sess.get("levels", {}).items():
+                nodes = sess["draft_nodes_per_level"][lv]
+                chosen[nodes] = chosen.get(nodes, 0) + k
+            for r in outs:
                 tokens.append(r.tokens)
                 taus.append(r.stats["tau"])
                 tf += r.stats["target_forwards"]
@@ -76,7 +82,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
     n = sum(len(t) for t in tokens)
     return {"engine": "nemo_spec", "method": method, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
             "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
-            "tokens": tokens, "options": opts}
+            "tokens": tokens, "options": opts, "draft_nodes_chosen": chosen}
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -130,13 +136,14 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               options: Optional[Dict[str, Any]] = None, hf: bool = True, work_dir: Optional[Path] = None,
               warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None,
               suffix_options: Optional[Dict[str, Any]] = None,
-              warm_prompts: Optional[List[List[int]]] = None) -> Dict[str, Any]:
+              warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
     ``eagle_tree`` — the chain's length is ``num_draft_tokens``, not the tree's depth; ``suffix_options`` only
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
+    With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step).
     """
     if not prompts:
         raise SamplingError("benchmark needs at least one prompt")
@@ -159,6 +166,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 opts = {**(options or {}), **(suffix_options or {})}
             jobs.append((f"nemo_spec {m} batch {b}",
                          functools.partial(run_ours, model, prompts, m, b, max_new_tokens, draft_model, opts)))
+            if adaptive and m != "ar":
+                jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
+                    _relabel, f"{m}+adaptive", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    {**(opts or {}), "adaptive": True})))
             if m == "suffix" and warm_prompts:
                 gopts = warm_suffix_store(model, warm_prompts, max_new_tokens, {**(options or {}),
                                                                                 **(suffix_options or {})})
@@ -185,6 +196,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
+                            "adaptive": adaptive,
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
 
@@ -341,6 +353,10 @@ def to_markdown(result: Dict[str, Any]) -> str:
             lines.append(f"- {r['method']} batch {r['batch_size']}: proposal {r['propose_ms_per_step']:.3f} ms per step, "
                          f"prompt indexing {r['prompt_index_ms']:.2f} ms per prompt, "
                          f"{r['step_ms']:.2f} ms per target forward")
+    for r in result["rows"]:
+        if r["method"].endswith("+adaptive") and r.get("draft_nodes_chosen"):
+            ch = ", ".join(f"{k} nodes: {v}" for k, v in sorted(r["draft_nodes_chosen"].items()))
+            lines.append(f"- {r['method']} batch {r['batch_size']} chose (steps per draft size): {ch}")
     c = result["config"]
     lines.append(f"- {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens each, greedy, {c['device']} "
                  f"{c['dtype']}")
@@ -421,6 +437,8 @@ def build_parser():
     p.add_argument("--warm-prompts", type=int, default=0,
                    help="suffix_global row: warm the global suffix store on this many further prompts (0: no row)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is reported)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also run every speculative method with adaptive speculation (<method>+adaptive rows)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -471,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         ("min_token_prob", args.suffix_min_prob)] if v is not None}
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
-                       suffix_options=suffix_options, warm_prompts=warm or None)
+                       suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

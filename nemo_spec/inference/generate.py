@@ -7,9 +7,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from nemo_spec.inference.engine import Engine, GenerationResult, OnFinish, OnTokens, run_generation
+from nemo_spec.inference.engine import Engine, GenerationResult, OnFinish, OnTokens
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.inference.speculative import METHODS, make_proposer
+from nemo_spec.inference.speculative import METHODS
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     prompt_lookup | suffix.
 
     ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``score_temperature``,
-    ``medusa_choices``, ``max_ngram``, ``min_ngram``) and engine knobs (``pad_id``, ``max_cache_len``,
-    ``ignore_eos``); an unknown name is an error.
+    ``medusa_choices``, ``max_ngram``, ``min_ngram``), engine knobs (``pad_id``, ``max_cache_len``,
+    ``ignore_eos``) and session knobs (``max_batch``: rows generating at once, default all — more prompts join
+    as rows finish; ``prefill_chunk_tokens``; ``adaptive``: choose the draft size per step); an unknown name
+    is an error. Runs on :class:`nemo_spec.inference.session.Session`.
     ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row. ``on_finish(row, reason)``
     is called when a row ends by itself ("stop" or "length"), before the rest of the batch has finished.
     """
@@ -60,14 +62,11 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     prompts = [[int(t) for t in p] for p in prompts]
     plist = _as_params(params, len(prompts))
     options = dict(options or {})
-    engine = get_engine(model)
-    proposer = make_proposer(method, model, engine, draft_model, options)
+    from nemo_spec.inference.session import run_session
+
     was_training = model.training
-    model.eval()
-    if draft_model is not None:
-        draft_model.eval()
     try:
-        return run_generation(engine, proposer, prompts, plist, options, tokenizer, on_tokens, on_finish)
+        return run_session(model, prompts, plist, method, draft_model, options, tokenizer, on_tokens, on_finish)
     finally:
         if was_training:
             model.train()

@@ -112,8 +112,13 @@ def warp_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     groups: dict = {}
     for i, p in enumerate(params):
         groups.setdefault(p.warp_key(), (p, []))[1].append(i)
+    if len(groups) == 1:  # one set of parameters: no gather/scatter
+        p = next(iter(groups.values()))[0]
+        return warp_logits(logits, p)
+    from nemo_spec.inference.transfer import tensor
+
     for p, rows in groups.values():
-        idx = torch.tensor(rows, device=logits.device)
+        idx = tensor(rows, logits.device)
         out[idx] = warp_logits(logits[idx], p)
     return out
 
@@ -142,17 +147,23 @@ def _same_on_tp_ranks(seeds: List[int]) -> List[int]:
     return [int(x) for x in t.tolist()]
 
 
+def row_generators(seeds: Sequence[Optional[int]]) -> List[torch.Generator]:
+    """One seeded CPU generator per seed (None: a random seed, the same on every TP rank)."""
+    resolved = [int(s) if s is not None else int(torch.randint(0, 2**62, (1,)).item()) for s in seeds]
+    resolved = _same_on_tp_ranks(resolved)
+    gens: List[torch.Generator] = []
+    for s in resolved:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(s)
+        gens.append(g)
+    return gens
+
+
 class RowRNG:
     """One seeded torch.Generator per batch row; hands out uniforms [b, n]."""
 
-    def __init__(self, seeds: Sequence[Optional[int]]) -> None:
-        resolved = [int(s) if s is not None else int(torch.randint(0, 2**62, (1,)).item()) for s in seeds]
-        resolved = _same_on_tp_ranks(resolved)
-        self.gens: List[torch.Generator] = []
-        for s in resolved:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(s)
-            self.gens.append(g)
+    def __init__(self, seeds: Sequence[Optional[int]] = (), gens: Optional[List[torch.Generator]] = None) -> None:
+        self.gens: List[torch.Generator] = list(gens) if gens is not None else row_generators(seeds)
 
     def uniform(self, n: int, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Uniforms [len(rows), n] (CPU), each row from its own generator."""
@@ -234,3 +245,112 @@ def greedy_tree_accept(argmax: Sequence[int], tokens: Sequence[int], children: S
         path.append(nxt)
         node = nxt
 
+
+
+# --- vectorised acceptance (all rows at once, on the device) ----------------------------------------------
+
+def accept_rows(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`accept_test` for many candidates at once (bool tensor)."""
+    return (q_x > 0) & (u * q_x < p_x)
+
+
+def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """:func:`residual` row-wise: norm(max(0, p - q)) over the last dim, p where that is all zero."""
+    r = (p - q).clamp(min=0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / torch.where(s > 0, s, torch.ones_like(s)), p)
+
+
+def children_table(parents: torch.Tensor, valid: torch.Tensor, max_children: int) -> torch.Tensor:
+    """kids [b, N, K]: block indices of each node's children in order (-1 padded), from parents [b, N] (-1 = root)."""
+    b, N = parents.shape
+    dev = parents.device
+    K = max(int(max_children), 1)
+    has = valid & (parents >= 0)
+    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
+    same = (parents[:, :, None] == parents[:, None, :]) & has[:, None, :] & earlier[None]
+    rank = same.sum(-1)  # position of node i among its parent's children
+    ok = has & (rank < K)
+    node = torch.arange(N, device=dev)[None].expand(b, N)
+    spare = N * K  # one spare cell takes every write of a non-child
+    flat = torch.where(ok, parents.clamp(min=0) * K + rank, torch.full_like(rank, spare))
+    out = torch.full((b, N * K + 1), -1, dtype=torch.long, device=dev)
+    out.scatter_(1, flat, torch.where(ok, node, torch.full_like(node, -1)))
+    return out[:, :spare].view(b, N, K)
+
+
+def tree_accept_rows(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, max_depth: int,
+                     max_children: int, argmax: Optional[torch.Tensor] = None, p: Optional[torch.Tensor] = None,
+                     q: Optional[torch.Tensor] = None, u: Optional[torch.Tensor] = None,
+                     sampled: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy matching and recursive rejection over a verification block for every row at once, on the device.
+
+    tokens/parents/valid [b, N] describe blocks ``[root, nodes]`` (parents as block indices, root -1);
+    ``max_depth`` / ``max_children`` bound the trees (host values: the loop runs that often, no sync).
+    Greedy rows follow the child equal to ``argmax`` [b, N]; rows where ``sampled`` [b] is True apply the lossless
+    rule of :func:`tree_accept` with target distributions ``p`` [b, N, V], draft distributions ``q`` [b, N, V]
+    (None: deterministic candidates) and uniforms ``u`` [b, >= N], consumed in the same order as the per-row code.
+    Returns (accepted count m [b], accepted path [b, max_depth + 1] of block indices, root first, 0 past m,
+    next token [b]).
+    """
+    b, N = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(b, device=dev)
+    kids = children_table(parents, valid, max_children)
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    m = torch.zeros(b, dtype=torch.long, device=dev)
+    path = torch.zeros(b, max_depth + 1, dtype=torch.long, device=dev)
+    any_sampled = sampled is not None and p is not None
+    if any_sampled:
+        dist = p[:, 0].float()
+        ui = torch.zeros(b, dtype=torch.long, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        final = dist
+        final_ui = ui
+        V = dist.shape[-1]
+    greedy_rows = None if sampled is None else ~sampled
+    live = torch.ones(b, dtype=torch.bool, device=dev)
+    for d in range(max_depth):
+        chosen = torch.full((b,), -1, dtype=torch.long, device=dev)
+        want = argmax[rows, node] if argmax is not None else None
+        qd = q[rows, node].float() if (any_sampled and q is not None) else None
+        for k in range(max(int(max_children), 1)):
+            c = kids[rows, node, k]
+            has = (c >= 0) & live & (chosen < 0)
+            cc = c.clamp(min=0)
+            x = tokens[rows, cc]
+            acc = torch.zeros(b, dtype=torch.bool, device=dev)
+            if want is not None:
+                g = has & (x == want)
+                acc = g if greedy_rows is None else (g & greedy_rows)
+            if any_sampled:
+                hs = has & sampled
+                p_x = dist[rows, x]
+                qrow = qd if qd is not None else torch.nn.functional.one_hot(x, V).to(dist.dtype)
+                q_x = qrow[rows, x]
+                u_k = u[rows, ui.clamp(max=u.shape[1] - 1)].to(dist.dtype)
+                a_s = hs & accept_rows(p_x, q_x, u_k)
+                rej = hs & ~a_s
+                ui = ui + hs.long()
+                dist = torch.where(rej[:, None], residual_rows(dist, qrow), dist)
+                acc = acc | a_s
+            chosen = torch.where(acc, c, chosen)
+        moved = chosen >= 0
+        if any_sampled:
+            stop_now = live & ~moved & sampled
+            final = torch.where(stop_now[:, None], dist, final)
+            final_ui = torch.where(stop_now, ui, final_ui)
+            stopped = stopped | stop_now
+        live = live & moved
+        node = torch.where(moved, chosen, node)
+        m = m + moved.long()
+        path[:, d + 1] = torch.where(moved, chosen, torch.zeros_like(chosen))
+        if any_sampled:
+            dist = torch.where(moved[:, None], p[rows, node].float(), dist)
+    nxt = argmax[rows, node] if argmax is not None else torch.zeros(b, dtype=torch.long, device=dev)
+    if any_sampled:
+        final = torch.where(stopped[:, None], final, dist)
+        final_ui = torch.where(stopped, final_ui, ui)
+        s_tok = sample_from(final, u[rows, final_ui.clamp(max=u.shape[1] - 1)])
+        nxt = torch.where(sampled, s_tok, nxt)
+    return m, path, nxt

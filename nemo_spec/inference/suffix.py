@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_spec.inference.engine import BatchState, DraftTree, Engine
+from nemo_spec.inference.engine import DraftTree, StepState
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.inference.speculative import ARProposer, _opt_float, _opt_int
 from nemo_spec.inference.trees import pad_chains
@@ -377,28 +377,60 @@ class SuffixProposer(ARProposer):
         self.steps = 0
         self.learned = False
 
-    def prefill(self, eng: Engine, st: BatchState, tokens, lens, out, need) -> None:
-        """Build each row's trie from its prompt and place it on the global store's trie."""
-        self.st = st
-        self.start(st.seqs)
+    @property
+    def levels(self) -> List[int]:
+        """0, half the node cap, the cap."""
+        return sorted({0, max(1, self.cap // 2), self.cap})
 
-    def start(self, seqs: List[List[int]]) -> None:
-        """Index the given (growing) sequences: a new trie each, and a cursor on the global store's trie."""
+    def level_depth(self, level: int) -> int:
+        """Deepest node a tree of this budget can have (best-first trees are mostly deep chains)."""
+        return min(self.levels[level], self.max_depth)
+
+    def setup(self, sess: Any) -> None:
+        """Per-slot tries and cursors."""
+        n = sess.slots
+        self.seqs: List[List[int]] = [[] for _ in range(n)]
+        self.local: List[Optional[TrieCursor]] = [None] * n
+        self.glob: List[Optional[TrieCursor]] = [None] * n
+        self.seen = [0] * n
+        self.pending_outputs: List[List[int]] = []
+        self.sess = sess
+
+    def admit(self, sess: Any, slot: int, row: Any) -> None:
+        """Build the row's trie from its prompt and place it on the global store's trie."""
         t0 = time.perf_counter()
-        self.seqs = seqs
-        self.local = [TrieCursor(SuffixTrie(self.max_depth), grow=True) for _ in seqs]
-        self.seen = [0] * len(seqs)
-        self.glob: List[Optional[TrieCursor]] = [None] * len(seqs)
+        seq = row.seq
+        self.seqs[slot] = seq
+        self.local[slot] = TrieCursor(SuffixTrie(self.max_depth), grow=True)
+        self.glob[slot] = None
         if self.store is not None:
             with self.store.lock:
-                for r, seq in enumerate(seqs):
-                    cur = TrieCursor(self.store.trie, grow=False)
-                    cur.extend(seq[-self.max_depth:])  # only the last max_depth tokens can be matched
-                    self.glob[r] = cur
-        for r, seq in enumerate(seqs):
-            self.local[r].extend(seq)
-            self.seen[r] = len(seq)
+                cur = TrieCursor(self.store.trie, grow=False)
+                cur.extend(seq[-self.max_depth:])  # only the last max_depth tokens can be matched
+                self.glob[slot] = cur
+        self.local[slot].extend(seq)
+        self.seen[slot] = len(seq)
         self.prefill_s += time.perf_counter() - t0
+
+    def swap(self, i: int, j: int, used: int) -> None:
+        """Exchange the two slots' tries."""
+        for lst in (self.seqs, self.local, self.glob, self.seen):
+            lst[i], lst[j] = lst[j], lst[i]
+
+    def release(self, sess: Any, slot: int, row: Any) -> None:
+        """Finished outputs are learned by the global store when the session has no other rows (a generate()
+        call's last row), or in groups of ``slots`` outputs while it stays busy (a server under load)."""
+        self.local[slot] = self.glob[slot] = None
+        if self.store is None or not self.global_update:
+            return
+        self.pending_outputs.append(list(row.out))
+        if sess.num_active() > 1 and len(self.pending_outputs) < sess.slots:
+            return
+        for out in self.pending_outputs:
+            self.store.add(out)
+        log.debug("suffix: global store learned %d outputs (%d held, %d trie nodes)", len(self.pending_outputs),
+                  len(self.store), self.store.trie.num_nodes())
+        self.pending_outputs = []
 
     def draft(self, r: int) -> Tuple[List[int], List[int]]:
         """Sync row r's cursors with its sequence, then the best candidate tree: (tokens, parents)."""
@@ -422,26 +454,30 @@ class SuffixProposer(ARProposer):
                 best = cand
         return best[0], best[1]
 
-    def propose(self, eng: Engine, st: BatchState) -> DraftTree:
-        """A frequency-scored candidate tree per active row (ragged, deterministic candidates)."""
+    def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
+        """A frequency-scored candidate tree per row (ragged, deterministic candidates)."""
+        lv = self.levels
+        cap = lv[-1] if level is None else lv[max(0, min(int(level), len(lv) - 1))]
+        dev = sess.device
+        if cap == 0:
+            return DraftTree.empty(st.b, dev)
         t0 = time.perf_counter()
-        act = st.active
-        trees = [self.draft(r) if act[r] else ([], []) for r in range(st.b)]
-        tok, val = pad_chains([t for t, _ in trees], device=eng.device)
-        par, _ = pad_chains([p for _, p in trees], n=tok.shape[1], device=eng.device)
+        trees = [self.draft(r) for r in range(st.b)]
+        if cap < self.cap:
+            trees = [(t[:cap], p[:cap]) for t, p in trees]  # best-first order: a prefix is a tree
+        tok, val = pad_chains([t for t, _ in trees], device=dev)
+        par, _ = pad_chains([p for _, p in trees], n=tok.shape[1], device=dev)
+        depth, kids = 0, 0
+        for _, p in trees:
+            dep = [0] * (len(p) + 1)
+            cnt = [0] * (len(p) + 1)
+            for i, q in enumerate(p):
+                dep[i + 1] = dep[q] + 1
+                cnt[q] += 1
+            depth, kids = max(depth, max(dep)), max(kids, max(cnt))
         self.propose_s += time.perf_counter() - t0
         self.steps += 1
-        return DraftTree(tok, par, val)
-
-    def retire(self, r: int) -> None:
-        """When the call's last row finishes, the global store learns every row's output."""
-        if self.store is None or not self.global_update or self.learned or self.st.active_rows():
-            return
-        self.learned = True
-        for out in self.st.out:
-            self.store.add(out)
-        log.debug("suffix: global store learned %d outputs (%d held, %d trie nodes)", len(self.st.out),
-                  len(self.store), self.store.trie.num_nodes())
+        return DraftTree(tok, par, val, max_depth=depth, max_children=kids, sizes=[len(t) for t, _ in trees])
 
 
 def replay_cost(model: torch.nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
@@ -454,17 +490,20 @@ def replay_cost(model: torch.nn.Module, prompts: Sequence[Sequence[int]], output
     """
     opts = {**(options or {}), "global_update": False}
     prop = SuffixProposer(model, opts)
-    eng = types.SimpleNamespace(device=torch.device("cpu"))
+    sess = types.SimpleNamespace(device=torch.device("cpu"), slots=1, num_active=lambda: 1)
+    prop.setup(sess)
     steps = 0
     for prompt, out in zip(prompts, outputs):
         if not out:
             continue
-        st = BatchState([list(prompt)], [SamplingParams()], max_pos=len(prompt) + len(out) + 1)
-        st.seqs[0].append(int(out[0]))  # the first token comes from the prefill, before any proposal
-        prop.prefill(eng, st, None, None, None, None)
+        row = types.SimpleNamespace(prompt=list(prompt), params=SamplingParams(), seq=list(prompt), length=0,
+                                    gen=torch.Generator(), draft_forwards=0)
+        row.seq.append(int(out[0]))  # the first token comes from the prefill, before any proposal
+        prop.admit(sess, 0, row)
+        st = StepState([row], max_pos=len(prompt) + len(out) + 1)
         pos = 1
         while pos < len(out):
-            tree = prop.propose(eng, st)  # timed inside
+            tree = prop.propose(sess, st)  # timed inside
             steps += 1
             node, acc = 0, 0
             kids: Dict[int, Dict[int, int]] = {}

@@ -13,6 +13,7 @@ import torch
 
 from nemo_spec.models import AttnContext, KVCache
 from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.transfer import h2d
 
 Choice = Tuple[int, ...]
 
@@ -90,21 +91,31 @@ def chain_parents(b: int, n: int, device: torch.device) -> torch.Tensor:
 
 
 def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_pos: int,
-                  prefix: Optional[torch.Tensor] = None) -> AttnContext:
+                  prefix: Optional[torch.Tensor] = None, max_length: Optional[int] = None,
+                  single_decode: bool = False, padded: bool = False) -> AttnContext:
     """Context for a block of n new entries per row written after each row's committed cache entries.
 
     ``prefix`` [b, n, S] optionally marks which of S earlier uncommitted entries (slots
     ``lengths .. lengths+S``, e.g. draft-tree levels) each new entry attends to; the block then starts
     at ``lengths + S``. ``depth`` [b, n] is the position offset of each entry after the committed ones.
+    ``max_length``: the largest committed length of the rows, when the caller knows it on the host (else it is
+    read from the device: a sync). ``single_decode``: the caller knows this is one row, one new entry and
+    no left padding (then the mask allows everything and SDPA runs unmasked). ``padded``: entries past the
+    cache end are padding (right-padded prompt chunks): they are written to the last slot, which holds no
+    committed entry, instead of overflowing.
     """
     b, n = depth.shape
     dev = depth.device
     S = 0 if prefix is None else prefix.shape[-1]
     lengths, starts = cache.lengths, cache.starts
-    kv = int(lengths.max()) + S + n
+    kv = (int(lengths.max()) if max_length is None else int(max_length)) + S + n
+    if padded:
+        kv = min(kv, cache.max_len)
     if kv > cache.max_len:
         raise SamplingError(f"KV cache overflow: need {kv} slots, cache has {cache.max_len}")
     write = lengths[:, None] + S + torch.arange(n, device=dev)[None]
+    if padded:
+        write = write.clamp(max=cache.max_len - 1)
     j = torch.arange(kv, device=dev)[None]
     committed = (j >= starts[:, None]) & (j < lengths[:, None])
     full = anc if prefix is None else torch.cat([prefix, anc], dim=-1)  # [b, n, S + n]
@@ -113,7 +124,11 @@ def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_po
     g = full.gather(2, rel.clamp(0, S + n - 1)[:, None, :].expand(b, n, kv))
     mask = committed[:, None, :] | (g & in_new[:, None, :])
     pos = ((lengths - starts)[:, None] + depth).clamp(max=max_pos - 1)
-    return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=kv)
+    hints = {}
+    if max_length is not None:  # host facts: no device read in the attention layers
+        hints["mask_all"] = bool(single_decode and b == 1 and n == 1 and S == 0)
+        hints["first_write"] = int(max_length) + S if b == 1 else -1
+    return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=kv, **hints)
 
 
 def prefill_context(cache: KVCache, prompt_lens: torch.Tensor, width: int) -> AttnContext:
@@ -179,4 +194,6 @@ def pad_chains(chains: Sequence[Sequence[int]], n: Optional[int] = None, pad: in
         if c:
             tok[r, : len(c)] = torch.tensor(c, dtype=torch.long)
             val[r, : len(c)] = True
-    return tok.to(device), val.to(device)
+    if device is None:
+        return tok, val
+    return h2d(tok, torch.device(device)), h2d(val, torch.device(device))

@@ -119,7 +119,9 @@ class KVCache:
     def keep(self, src_slots: torch.Tensor, num_kept: torch.Tensor) -> None:
         """Compact accepted entries: for each row copy ``src_slots[b, :num_kept[b]]`` to ``lengths[b]...``.
 
-        Used after tree/chain verification so that only the accepted path stays in the cache.
+        Used after tree/chain verification so that only the accepted path stays in the cache. No host sync:
+        positions past ``num_kept`` copy their own slot onto itself (the caller guarantees
+        ``lengths + src_slots.shape[1] <= max_len``, as the verified block was written there).
         """
         b, n = src_slots.shape
         if n == 0:
@@ -130,11 +132,30 @@ class KVCache:
         dst = (self.lengths[:, None] + idx).clamp(max=self.max_len - 1)
         rows = torch.arange(b, device=dev)[:, None].expand(b, n)
         src = torch.where(valid, src_slots, dst)
-        r, s, d = rows[valid], src[valid], dst[valid]
-        if r.numel():
-            self.k[:, r, d] = self.k[:, r, s]
-            self.v[:, r, d] = self.v[:, r, s]
+        self.k[:, rows, dst] = self.k[:, rows, src]
+        self.v[:, rows, dst] = self.v[:, rows, src]
         self.lengths += num_kept
+
+    def view(self, lo: int, hi: int) -> "KVCache":
+        """Rows [lo, hi) as a cache sharing this one's storage (writes and length updates go through)."""
+        c = KVCache.__new__(KVCache)
+        c.k, c.v = self.k[:, lo:hi], self.v[:, lo:hi]
+        c.lengths, c.starts = self.lengths[lo:hi], self.starts[lo:hi]
+        return c
+
+    def swap_rows(self, i: int, j: int, used: Optional[int] = None) -> None:
+        """Exchange rows i and j (their first ``used`` slots, default all) with their lengths and starts."""
+        if i == j:
+            return
+        u = self.max_len if used is None else min(int(used), self.max_len)
+        for buf in (self.k, self.v):
+            tmp = buf[:, i, :u].clone()
+            buf[:, i, :u] = buf[:, j, :u]
+            buf[:, j, :u] = tmp
+        for t in (self.lengths, self.starts):
+            tmp = t[i].clone()
+            t[i] = t[j]
+            t[j] = tmp
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to the given committed lengths."""
@@ -158,31 +179,42 @@ class AttnContext:
     write_slots: Optional[torch.Tensor] = None
     kv_len: int = 0
     rope_cache: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-forward memo
+    #: host-side facts the caller knows (then no device read is needed): the mask allows everything
+    #: (True/False), the write slots of a single row are consecutive from this slot (int, or -1: they are not)
+    mask_all: Optional[bool] = None
+    first_write: Optional[int] = None
 
     def sdpa_mask(self) -> Optional[torch.Tensor]:
         """``mask`` as SDPA's [b, 1, q, kv]; None when it allows everything (a batch-1 decode step), which lets
-        SDPA skip masking. Worked out once per forward and shared by all layers."""
+        SDPA skip masking. Worked out once per forward and shared by all layers (from ``mask_all`` when the
+        caller set it, else by reading the mask: a device sync)."""
         if "sdpa_mask" not in self.rope_cache:
             m = self.mask
-            self.rope_cache["sdpa_mask"] = None if m is None or bool(m.all()) else m[:, None]
+            allows_all = self.mask_all if self.mask_all is not None else (m is None or bool(m.all()))
+            self.rope_cache["sdpa_mask"] = None if m is None or allows_all else m[:, None]
         return self.rope_cache["sdpa_mask"]
 
     def write_start(self) -> Optional[int]:
         """First slot when there is one row and its write slots are consecutive (then a slice copy replaces
-        the scatter); None otherwise. Worked out once per forward."""
+        the scatter); None otherwise. Worked out once per forward (from ``first_write`` when set, else by
+        reading the slots: a device sync)."""
         if "write_start" not in self.rope_cache:
             w = self.write_slots
             start = None
             if w is not None and w.shape[0] == 1 and w.numel() > 0:
-                first = int(w[0, 0])
-                if bool((w[0] == torch.arange(first, first + w.shape[1], device=w.device)).all()):
-                    start = first
+                if self.first_write is not None:
+                    start = self.first_write if self.first_write >= 0 else None
+                else:
+                    first = int(w[0, 0])
+                    if bool((w[0] == torch.arange(first, first + w.shape[1], device=w.device)).all()):
+                        start = first
             self.rope_cache["write_start"] = start
         return self.rope_cache["write_start"]
 
-    def rope(self, inv_freq: torch.Tensor) -> tuple:
-        """cos/sin for this context's positions, computed once per forward and shared by all layers."""
-        key = (inv_freq.shape[0], float(inv_freq[-1]))
+    def rope(self, inv_freq: torch.Tensor, key: Any = None) -> tuple:
+        """cos/sin for this context's positions, computed once per forward and shared by all layers with the
+        same table ``key`` (host values identifying the frequencies; default: the tensor itself)."""
+        key = ("rope", id(inv_freq)) if key is None else key
         cs = self.rope_cache.get(key)
         if cs is None:
             cs = self.rope_cache[key] = rope_cos_sin(self.position_ids, inv_freq)
@@ -207,6 +239,9 @@ class SDPACoreAttention(MegatronModule):
         if self.use_rope:
             inv = rope_inv_freq(self.head_dim, config.nemo_rope_theta, config.nemo_rope_scaling)
             self.register_buffer("inv_freq", inv, persistent=False)
+            # layers with equal tables share one cos/sin per forward; a host key, so no device read per layer
+            self.rope_key = ("rope", self.head_dim, float(config.nemo_rope_theta),
+                             repr(sorted((config.nemo_rope_scaling or {}).items())))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -217,7 +252,7 @@ class SDPACoreAttention(MegatronModule):
         ctx = attention_mask if isinstance(attention_mask, AttnContext) else None
         if self.use_rope:
             if ctx is not None:
-                pos, cs = ctx.position_ids, ctx.rope(self.inv_freq)
+                pos, cs = ctx.position_ids, ctx.rope(self.inv_freq, getattr(self, "rope_key", None))
             else:
                 pos = torch.arange(sq, device=q.device)[None].expand(b, sq)
                 cs = rope_cos_sin(pos, self.inv_freq)

@@ -479,3 +479,317 @@ class Batcher:
             # the engine drops the stop token (eos) from its output; usage counts it, as it was generated
             count = len(dec.tokens) + (1 if res.finish_reason == "stop" else 0)
             end_row(i, reason, count, stats)
+
+
+# ====================================================================================================== continuous
+
+@dataclass(eq=False)
+class _Live:
+    """A row handed to the session: its request, spec, decoder and how many tokens its request still wants."""
+
+    req: GenRequest
+    spec: RowSpec
+    dec: IncrementalDecoder
+    handle: int = -1
+    ended: bool = False
+
+
+class SessionBatcher:
+    """Continuous batching: one worker thread steps a :class:`nemo_spec.inference.session.Session`; queued rows
+    join the running batch at the next step, finished rows leave it at once.
+
+    Same contract as :class:`Batcher` (bounded FIFO, streaming events, cancellation, per-row sampling,
+    drain/abort at shutdown). Failure isolation: a request the session refuses (``add`` raises: too long for
+    the KV cache, bad ids) fails alone before it joins; when a step raises, the session is reset and every row
+    that was running is resumed (prompt + the tokens it has streamed, the rest of its budget) one request at
+    a time on its own, so only a request that fails alone gets the error. ``batches_run`` counts admission
+    rounds (steps at which rows joined).
+    """
+
+    def __init__(self, session: Any, tokenizer: Any, max_batch: int, max_queue: int, batch_wait_s: float = 0.005,
+                 metrics: Optional[ServerMetrics] = None, name: str = "model") -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.session = session
+        self.engine = session  # released by ServedModel.close
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.batch_wait_s = batch_wait_s
+        self.metrics = metrics or ServerMetrics()
+        self.name = name
+        self._pending: Deque[GenRequest] = collections.deque()
+        self._resume: Deque[List[_Live]] = collections.deque()  # after a failed step: one request's rows each
+        self._isolated: Optional[GenRequest] = None  # running alone after a failed step
+        self._live: Dict[int, _Live] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._drain = True
+        self._closed_reason = f"model {name!r} is being unloaded"
+        self._abort_message: Optional[str] = None
+        self.running_rows = 0
+        self.batches_run = 0
+        self.steps_run = 0
+        self.step_failures = 0
+        self._thread = threading.Thread(target=self._loop, name=f"session-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ producer side (as Batcher)
+    queue_depth = Batcher.queue_depth
+    alive = Batcher.alive
+    _abort_of = Batcher._abort_of
+    _fail_pending = Batcher._fail_pending
+    _end_rows = Batcher._end_rows
+
+    def submit(self, req: GenRequest) -> None:
+        """Enqueue a request; raises QueueFullError / BatcherClosedError instead of blocking."""
+        Batcher.submit(self, req)  # type: ignore[arg-type]
+
+    def _running_requests(self) -> List[GenRequest]:
+        reqs: List[GenRequest] = []
+        for lv in list(self._live.values()):
+            if lv.req not in reqs:
+                reqs.append(lv.req)
+        return reqs
+
+    def close(self, drain: bool = True, timeout: Optional[float] = None, cancel_running: bool = False) -> None:
+        """Stop accepting requests; with drain, finish queued ones first, else fail them; join the worker.
+        ``cancel_running`` also stops the rows in progress at the next step (server shutdown)."""
+        with self._cond:
+            self._closed = True
+            self._drain = drain
+            if cancel_running:
+                for req in self._running_requests():
+                    req.cancelled = True
+            if not drain:
+                self._fail_pending(503, f"model {self.name!r} was unloaded before the request started",
+                                   "model_unloaded")
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def begin_shutdown(self, message: str = "the server is shutting down") -> None:
+        """Server shutdown, first phase: refuse new requests and answer queued ones at once (503)."""
+        with self._cond:
+            self._closed = True
+            self._closed_reason = message
+            self._fail_pending(503, message, "server_shutdown")
+            self._cond.notify_all()
+
+    def abort_running(self, message: str = "the server is shutting down") -> None:
+        """Server shutdown, after the drain time: end every running row, and every one not started yet, with a
+        503 error event."""
+        with self._cond:
+            self._abort_message = message
+            for req in self._running_requests():
+                req.aborted = message
+            self._fail_pending(503, message, "server_shutdown", started_too=True)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ worker side
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._resume and not self._live and not self._closed:
+                    self._cond.wait()
+                if not self._pending and not self._resume and not self._live and self._closed:
+                    return
+                if not self._live and self._pending and self.batch_wait_s > 0 and not self._closed:
+                    # idle: give requests sent together a moment to arrive together
+                    deadline = time.monotonic() + self.batch_wait_s
+                    while (left := deadline - time.monotonic()) > 0 and not self._closed:
+                        self._cond.wait(left)
+                joined = self._admit()
+            if joined:
+                self.batches_run += 1
+                self.metrics.batch_size.observe(len(self._live))
+            self._check_dropped()
+            if not self._live:
+                continue
+            try:
+                self.session.step()
+                self.steps_run += 1
+            except Exception as e:  # never let the worker die: isolate the failure and go on
+                self._step_failed(e)
+                continue
+            self._collect()
+
+    def _admit(self) -> int:
+        """Hand queued rows to the session while it has free slots (called with the lock held)."""
+        sess = self.session
+        added = 0
+        if self._isolated is not None:
+            return 0
+        if self._resume:
+            if self._live:
+                return 0  # a resumed request runs alone, once the batch is empty
+            rows = self._resume.popleft()
+            self._isolated = rows[0].req
+            for lv in rows:
+                added += self._add_row(lv, resume=True)
+            return added
+        while self._pending and sess.free_slots() > 0:
+            req = self._pending[0]
+            if req.dropped:
+                self._pending.popleft()
+                self._end_rows(req, req.num_rows - req.next_row)
+                req.next_row = req.num_rows
+                continue
+            if req.started is None:
+                req.started = time.monotonic()
+                self.metrics.queue_time.observe(req.started - req.arrived)
+                self.metrics.prompt_tokens.inc(req.prompt_tokens)
+            spec = req.rows[req.next_row]
+            req.next_row += 1
+            if req.next_row >= req.num_rows:
+                self._pending.popleft()
+            added += self._add_row(_Live(req, spec, IncrementalDecoder(self.tokenizer, req.stop)))
+        return added
+
+    def _add_row(self, lv: _Live, resume: bool = False) -> int:
+        """Add one row to the session; a row the session refuses fails its request (500) alone."""
+        prompt, params = lv.spec.prompt, lv.spec.params
+        if resume and lv.dec.tokens:  # continue after the tokens already streamed
+            import dataclasses as _dc
+
+            prompt = prompt + lv.dec.tokens
+            params = _dc.replace(params, max_new_tokens=max(1, params.max_new_tokens - len(lv.dec.tokens)))
+        try:
+            lv.handle = self.session.add(prompt, params, self._on_tokens, self._on_finish)
+        except Exception as e:
+            log.warning("request refused by the session: %s: %s", type(e).__name__, e)
+            self._fail_request(lv.req, f"generation failed: {type(e).__name__}: {e}")
+            self._end_rows(lv.req, 1)
+            lv.ended = True
+            return 0
+        self._live[lv.handle] = lv
+        self.running_rows = len(self._live)
+        return 1
+
+    def _fail_request(self, req: GenRequest, message: str) -> None:
+        """Fail a request: an error event, its live rows cancelled, its queued rows dropped."""
+        req.fail(500, message)
+        for lv in list(self._live.values()):
+            if lv.req is req and not lv.ended:
+                self.session.cancel(lv.handle)
+                self._end(lv, None)
+
+    def _check_dropped(self) -> None:
+        """Cancel rows whose client left, whose request failed, or that shutdown aborts."""
+        for lv in list(self._live.values()):
+            if lv.ended:
+                continue
+            req = lv.req
+            if self._abort_of(req) is not None or req.failed:
+                self.session.cancel(lv.handle)
+                self._end(lv, None)
+            elif req.cancelled:
+                self.session.cancel(lv.handle)
+                self._end(lv, "cancelled")
+
+    def _end(self, lv: _Live, reason: Optional[str], count: Optional[int] = None,
+             stats: Optional[Dict[str, Any]] = None) -> None:
+        """A row is over: count its tokens and tell the handler (once)."""
+        if lv.ended:
+            return
+        lv.ended = True
+        req, spec, dec = lv.req, lv.spec, lv.dec
+        n = len(dec.tokens) if count is None else count
+        self.metrics.completion_tokens.inc(n)
+        if reason is None:  # aborted at shutdown, or its request failed elsewhere
+            req.fail(503, self._abort_of(req) or "request failed", "server_shutdown")
+        else:
+            if reason == "cancelled":
+                self.metrics.cancelled.inc()
+            req.emit(("finish", spec.choice, reason, n, stats or {}))
+        self._end_rows(req, 1)
+
+    def _on_tokens(self, handle: int, ids: List[int]) -> bool:
+        lv = self._live.get(handle)
+        if lv is None or lv.ended:
+            return False
+        req = lv.req
+        if self._abort_of(req) is not None or req.failed:
+            self._end(lv, None)
+            return False
+        if req.cancelled:
+            self._end(lv, "cancelled")
+            return False
+        if ids and req.first_token is None:
+            req.first_token = time.monotonic()
+        delta = lv.dec.add(ids)
+        if delta:
+            req.emit(("delta", lv.spec.choice, delta))
+        if lv.dec.stopped:
+            self._end(lv, "stop")
+            return False
+        return True
+
+    def _on_finish(self, handle: int, reason: str) -> None:
+        lv = self._live.get(handle)
+        if lv is None or lv.ended:
+            return
+        if self._abort_of(lv.req) is not None or lv.req.failed:
+            self._end(lv, None)
+            return
+        if not lv.dec.stopped:
+            delta = lv.dec.flush()
+            if delta:
+                lv.req.emit(("delta", lv.spec.choice, delta))
+        # the engine drops the stop token (eos) from its output; usage counts it, as it was generated
+        self._end(lv, "stop" if lv.dec.stopped else reason,
+                  len(lv.dec.tokens) + (1 if reason == "stop" and not lv.dec.stopped else 0))
+
+    def _collect(self) -> None:
+        """Forget the rows the session finished; record their acceptance."""
+        for h, lv in list(self._live.items()):
+            if not self.session.done(h):
+                continue
+            res = self.session.result(h)
+            tau = res.stats.get("tau")
+            if tau is not None and res.stats.get("target_forwards", 0) > 1:
+                self.metrics.tau.observe(float(tau))
+            if not lv.ended:  # cancelled by the session itself (callbacks returned False)
+                self._end(lv, "cancelled" if lv.req.cancelled else "stop")
+            del self._live[h]
+        if self._isolated is not None and not any(lv.req is self._isolated for lv in self._live.values()):
+            self._isolated = None
+        self.running_rows = len(self._live)
+
+    def _step_failed(self, error: Exception) -> None:
+        """A step raised: reset the session; resume each running request alone (a lone failure fails it)."""
+        self.step_failures += 1
+        message = f"generation failed: {type(error).__name__}: {error}"
+        rows = [lv for lv in self._live.values() if not lv.ended]
+        self._live.clear()
+        self.running_rows = 0
+        try:
+            self.session.reset()
+        except Exception as e:  # pragma: no cover - a session that cannot even reset
+            log.error("session reset failed: %s", e)
+        alone = self._isolated
+        self._isolated = None
+        by_req: Dict[int, List[_Live]] = {}
+        order: List[GenRequest] = []
+        for lv in rows:
+            if id(lv.req) not in by_req:
+                by_req[id(lv.req)] = []
+                order.append(lv.req)
+            by_req[id(lv.req)].append(lv)
+        if alone is not None or len(order) == 1:
+            log.error("generation step failed: %s: %s", type(error).__name__, error, exc_info=error)
+            for req in order:
+                req.fail(500, message)
+                for lv in by_req[id(req)]:
+                    self._end(lv, None)
+            return
+        log.warning("generation step with %d requests failed (%s: %s); resuming them one by one", len(order),
+                    type(error).__name__, error)
+        with self._cond:
+            for req in order:
+                if req.dropped or self._abort_message is not None:
+                    for lv in by_req[id(req)]:
+                        self._end(lv, None if not req.cancelled else "cancelled")
+                    continue
+                self._resume.append([_Live(lv.req, lv.spec, lv.dec) for lv in by_req[id(req)]])

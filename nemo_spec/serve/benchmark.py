@@ -129,3 +129,134 @@ def format_table(results: Sequence[LevelResult]) -> str:
 def results_dict(results: Sequence[LevelResult]) -> List[Dict[str, Any]]:
     """JSON-ready results."""
     return [asdict(r) for r in results]
+
+
+# ---------------------------------------------------------------- Poisson arrivals (issue #15)
+
+@dataclass
+class PoissonResult:
+    """One scheduler at one arrival rate: throughput, time to first token and inter-token latency percentiles."""
+
+    scheduler: str
+    rate: float
+    requests: int
+    completion_tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+async def _timed(client: Any, model: str, prompt: str, max_tokens: int) -> tuple:
+    """One streamed request: (tokens, ttft, gaps between content chunks per token)."""
+    t0 = time.perf_counter()
+    ttft: Optional[float] = None
+    last = t0
+    gaps: List[float] = []
+    tokens = 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, ttft if ttft is not None else time.perf_counter() - t0, gaps
+
+
+async def _poisson(base_url: str, model: str, prompts: Sequence[str], rate: float, requests: int, max_tokens: int,
+                   seed: int) -> tuple:
+    import random
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600)
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        delays.append(t)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> tuple:
+        await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
+        return await _timed(client, model, prompts[i % len(prompts)], max_tokens)
+
+    out = await asyncio.gather(*(one(i) for i in range(requests)))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    return out, elapsed
+
+
+def _run_poisson(*args: Any) -> tuple:
+    return asyncio.run(_poisson(*args))
+
+
+def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0), requests: int = 32,
+                       max_tokens: int = 64, method: str = "ar", options: Optional[Dict[str, Any]] = None,
+                       max_batch: int = 16, schedulers: Sequence[str] = ("batch", "continuous"),
+                       prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0) -> List[PoissonResult]:
+    """Serve ``checkpoint`` in-process once per scheduler and replay the same Poisson arrivals at each rate
+    (requests per second) against it; clients run in a spawned process (no GIL contention with the server)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from nemo_spec.serve import ModelSpec, ServeConfig
+    from nemo_spec.serve.server import ServerThread
+
+    results: List[PoissonResult] = []
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for sched in schedulers:
+            spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
+                             max_batch=max_batch, scheduler=sched)
+            server = ServerThread(ServeConfig(models=[spec], max_queue=max(64, 2 * requests))).start()
+            try:
+                url = server.url + "/v1"
+                pool.submit(_run_poisson, url, "bench", list(prompts), 50.0, 2, 8, seed).result()  # warm-up
+                for rate in rates:
+                    out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
+                                               max_tokens, seed).result()
+                    toks = sum(o[0] for o in out)
+                    ttft = [o[1] for o in out]
+                    gaps = [g for o in out for g in o[2]]
+                    results.append(PoissonResult(sched, float(rate), requests, toks, elapsed, toks / elapsed,
+                                                 _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99)))
+                    log.info("%s at %.1f req/s: %.1f tok/s, ttft p50 %.3fs p99 %.3fs", sched, rate,
+                             results[-1].tokens_per_s, results[-1].ttft_p50_s, results[-1].ttft_p99_s)
+            finally:
+                server.stop()
+    finally:
+        pool.shutdown()
+    return results
+
+
+def format_poisson(results: Sequence[PoissonResult]) -> str:
+    """Side-by-side table: every scheduler per rate, with continuous/batch ratios."""
+    rows = ["scheduler   rate  tok/s   ttft_p50  ttft_p99  itl_p50  itl_p99"]
+    for r in results:
+        rows.append(f"{r.scheduler:<10} {r.rate:>5.1f} {r.tokens_per_s:>7.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
+                    f"{r.itl_p50_s:>8.4f} {r.itl_p99_s:>8.4f}")
+    by = {(r.scheduler, r.rate): r for r in results}
+    for rate in sorted({r.rate for r in results}):
+        a, b = by.get(("continuous", rate)), by.get(("batch", rate))
+        if a and b:
+            rows.append(f"rate {rate:g}: continuous/batch throughput {a.tokens_per_s / b.tokens_per_s:.2f}x, "
+                        f"ttft p99 {b.ttft_p99_s / a.ttft_p99_s:.1f}x lower, ttft p50 "
+                        f"{b.ttft_p50_s / a.ttft_p50_s:.1f}x lower")
+    return "\n".join(rows)

@@ -10,6 +10,7 @@ from nemo_spec.config import ConfigError, dataclass_from_dict
 
 METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = ("continuous", "batch")
 
 
 @dataclass
@@ -23,7 +24,9 @@ class ModelSpec:
     method: str = "ar"  # ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup | suffix
     options: Dict[str, Any] = field(default_factory=dict)  # passed to generate(options=...)
     draft_path: Optional[str] = None  # method=draft_model: the small draft model's checkpoint
-    max_batch: int = 8  # engine rows per batch
+    max_batch: int = 8  # rows generating at once (KV slots)
+    scheduler: str = "continuous"  # continuous: rows join the running batch each step | batch: fixed batches
+    prefill_chunk_tokens: int = 512  # continuous: prompt tokens read per step (long prompts in chunks)
     max_context: Optional[int] = None  # prompt + completion tokens; None -> model max_position_embeddings
     default_max_tokens: int = 256  # when a request gives no max_tokens (completions: OpenAI's 16)
     chat_template: Optional[str] = None  # jinja string or file; None -> tokenizer's template, else the default
@@ -41,6 +44,10 @@ class ModelSpec:
             raise ConfigError(f"{where}: method 'draft_model' needs draft_path")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ConfigError(f"{where}: max_batch must be an int >= 1, got {self.max_batch!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"{where}: scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"{where}: prefill_chunk_tokens must be an int >= 1, got {self.prefill_chunk_tokens!r}")
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 2):
             raise ConfigError(f"{where}: max_context must be an int >= 2 or null, got {self.max_context!r}")
         if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:

@@ -15,7 +15,7 @@ import torch
 from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ConfigError
 from nemo_spec.data.chat import load_tokenizer
-from nemo_spec.serve.batching import Batcher
+from nemo_spec.serve.batching import Batcher, SessionBatcher
 from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
 from nemo_spec.serve.config import ModelSpec
 from nemo_spec.serve.metrics import ServerMetrics
@@ -54,7 +54,7 @@ class ServedModel:
     template: ChatTemplate
     max_context: int
     eos_ids: List[int]
-    batcher: Batcher
+    batcher: Any  # SessionBatcher (continuous) or Batcher (fixed batches)
     draft_model: Optional[torch.nn.Module] = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -67,15 +67,18 @@ class ServedModel:
         """Admin view of this model."""
         return {"id": self.name, "path": self.spec.path, "method": self.spec.method, "options": self.spec.options,
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-                "max_batch": self.spec.max_batch, "max_context": self.max_context,
+                "max_batch": self.spec.max_batch, "max_context": self.max_context, "scheduler": self.spec.scheduler,
                 "chat_template": self.template.origin, "queue_depth": self.batcher.queue_depth(),
-                "running_rows": self.batcher.running_rows, "batches_run": self.batcher.batches_run}
+                "running_rows": self.batcher.running_rows, "batches_run": self.batcher.batches_run,
+                **({"session": self.batcher.session.stats()} if getattr(self.batcher, "session", None) else {})}
 
     def close(self, drain: bool = True, cancel_running: bool = False) -> None:
         """Stop the batcher (finishing or failing queued requests, optionally cancelling the running batch)
         and drop the weights."""
         self.batcher.close(drain=drain, cancel_running=cancel_running)
         self.batcher.engine = None  # type: ignore[assignment]
+        if hasattr(self.batcher, "session"):
+            self.batcher.session = None
         self.model = None  # type: ignore[assignment]
         self.draft_model = None
         gc.collect()
@@ -146,14 +149,27 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
         template = ChatTemplate.for_tokenizer(tokenizer, spec.chat_template)
     except ChatTemplateError as e:
         raise ModelLoadError(f"serve model {spec.name!r}: {e}") from e
-    engine = functools.partial(_engine, model, spec.method, spec.options, draft_model, tokenizer)
-    batcher = Batcher(engine, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
+    if spec.scheduler == "continuous":
+        from nemo_spec.inference.sampling import SamplingError
+        from nemo_spec.inference.session import Session
+
+        # end-of-sequence is handled per row through SamplingParams.stop_token_ids (so requests may ignore_eos)
+        try:
+            session = Session(model, spec.method, draft_model, {**spec.options, "ignore_eos": True}, tokenizer,
+                              max_batch=spec.max_batch, max_seq_len=max_context,
+                              prefill_chunk_tokens=spec.prefill_chunk_tokens)
+        except SamplingError as e:
+            raise ConfigError(f"serve model {spec.name!r}: {e}") from e
+        batcher: Any = SessionBatcher(session, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
+    else:
+        engine = functools.partial(_engine, model, spec.method, spec.options, draft_model, tokenizer)
+        batcher = Batcher(engine, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
     served = ServedModel(spec=spec, model=model, tokenizer=tokenizer, template=template, max_context=max_context,
                          eos_ids=_eos_ids(model, tokenizer) + [t for t in template.end_of_turn_ids()
                                                                if t not in _eos_ids(model, tokenizer)],
                          batcher=batcher, draft_model=draft_model)
-    log.info("model %r ready: method=%s max_batch=%d max_context=%d dtype=%s", spec.name, spec.method,
-             spec.max_batch, max_context, dtype)
+    log.info("model %r ready: method=%s scheduler=%s max_batch=%d max_context=%d dtype=%s", spec.name, spec.method,
+             spec.scheduler, spec.max_batch, max_context, dtype)
     return served
 
 

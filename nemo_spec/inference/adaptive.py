@@ -1,0 +1,162 @@
+"""Speculation that adapts to the batch: per step, the draft level with the most expected tokens per second.
+
+The proposer offers levels (draft nodes per row, from 0 = plain decoding up to its configured size). For a
+step of ``b`` rows at level ``i`` the controller predicts
+
+    tokens(i)  = b * E[accepted + 1 | depth(i)]          from the running per-depth acceptance of this proposer
+    seconds(i) = T_verify(b * (1 + nodes(i))) + draft_forwards(i) * T_draft(b)
+
+with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
+timings of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with
+the highest tokens / seconds. At large batches the target forward stops being nearly free per token and the
+chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
+needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
+acceptance keeps being measured. Under tensor parallelism the first rank's choice is broadcast (timings differ
+per rank; every rank must run the same step).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List
+
+log = logging.getLogger(__name__)
+
+
+class LinearFit:
+    """Weighted least squares y = a + c x with exponential forgetting; a, c >= 0."""
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self.s1 = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        """Record one sample."""
+        d = self.decay
+        self.s1 = self.s1 * d + 1.0
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxy = self.sxy * d + x * y
+
+    @property
+    def ready(self) -> bool:
+        """Samples at two or more distinct x."""
+        return self.s1 > 0 and self.s1 * self.sxx - self.sx ** 2 > 1e-9 * max(self.s1 * self.sxx, 1e-30)
+
+    def coefficients(self) -> "tuple[float, float]":
+        """(a, c); with one distinct x only, the line through the origin and the mean."""
+        if self.s1 == 0:
+            return 0.0, 0.0
+        if not self.ready:
+            mx = self.sx / self.s1
+            return 0.0, (self.sy / self.s1) / mx if mx > 0 else 0.0
+        det = self.s1 * self.sxx - self.sx ** 2
+        c = (self.s1 * self.sxy - self.sx * self.sy) / det
+        a = (self.sy - c * self.sx) / self.s1
+        if c < 0:  # noise: flat
+            return self.sy / self.s1, 0.0
+        if a < 0:
+            return 0.0, self.sxy / self.sxx
+        return a, c
+
+    def predict(self, x: float) -> float:
+        """Predicted y at x."""
+        a, c = self.coefficients()
+        return a + c * x
+
+
+class AdaptiveSpeculation:
+    """Chooses each step's speculation level from a cost model and the proposer's running acceptance."""
+
+    def __init__(self, proposer: Any, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.995,
+                 explore_every: int = 32) -> None:
+        self.proposer = proposer
+        self.levels: List[int] = list(proposer.levels)
+        self.depths = [proposer.level_depth(i) if hasattr(proposer, "level_depth") else self.levels[i]
+                       for i in range(len(self.levels))]
+        self.forwards = [proposer.draft_forwards(i) for i in range(len(self.levels))]
+        D = max(self.depths) if self.depths else 0
+        self.trials = [prior_weight] * (D + 2)
+        self.succ = [prior * prior_weight] * (D + 2)
+        self.decay = decay
+        self.verify = LinearFit()
+        self.draft = LinearFit()
+        self.explore_every = explore_every
+        self.steps = 0
+        self.since_top = 0
+        self.chosen: Dict[int, int] = {}
+
+    def expected_tokens(self, i: int) -> float:
+        """Expected tokens per row per step at level i (accepted drafts + the target's own token)."""
+        e = p = 1.0
+        for d in range(1, self.depths[i] + 1):
+            p *= self.succ[d] / self.trials[d]
+            e += p
+        return e
+
+    def predicted_rate(self, b: int, i: int) -> float:
+        """Predicted tokens per second of a b-row step at level i."""
+        t = self.verify.predict(b * (1 + self.levels[i])) + self.forwards[i] * self.draft.predict(b)
+        return b * self.expected_tokens(i) / t if t > 0 else float("inf")
+
+    def choose(self, b: int) -> int:
+        """The level for the next step of ``b`` rows."""
+        top = len(self.levels) - 1
+        if top == 0:
+            return 0
+        if self.steps == 0 or self.since_top >= self.explore_every:
+            i = top
+        elif self.steps == 1 or not self.verify.ready:
+            i = 0
+        else:
+            i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j))
+        i = _same_on_tp_ranks(i)
+        self.steps += 1
+        self.since_top = 0 if i == top else self.since_top + 1
+        self.chosen[i] = self.chosen.get(i, 0) + 1
+        return i
+
+    def observe(self, b: int, level: int, tree: Any, res: Any, draft_s: float, verify_s: float) -> None:
+        """Learn from one step: its timings and every row's accepted length."""
+        n = tree.tokens.shape[1]
+        self.verify.add(b * (1 + n), verify_s)
+        if self.forwards[level] > 0 and draft_s > 0:
+            self.draft.add(b, draft_s / self.forwards[level])
+        if self.levels[level] == 0:
+            return
+        chain = tree.max_children is not None and tree.max_children <= 1
+        self.trials = [t * self.decay for t in self.trials]
+        self.succ = [s * self.decay for s in self.succ]
+        for r, path in enumerate(res.paths):
+            size = tree.sizes[r] if tree.sizes is not None else n
+            if size == 0:
+                continue
+            depth = min(size, self.depths[level]) if chain else self.depths[level]
+            m = len(path) - 1
+            for d in range(1, min(m + 1, depth) + 1):
+                self.trials[d] += 1
+                self.succ[d] += 1 if d <= m else 0
+
+    def describe(self) -> Dict[str, Any]:
+        """What it chose and believes: steps per level, acceptance per depth, the fitted costs."""
+        a, c = self.verify.coefficients()
+        ad, cd = self.draft.coefficients()
+        return {"chosen": {self.levels[i]: k for i, k in sorted(self.chosen.items())},
+                "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[1:], self.trials[1:])],
+                "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd}}
+
+
+def _same_on_tp_ranks(i: int) -> int:
+    from nemo_spec import parallel
+
+    if parallel.tp_size() <= 1:
+        return i
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([i], dtype=torch.long, device=dev)
+    dist.broadcast(t, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                   group=parallel_state.get_tensor_model_parallel_group())
+    return int(t.item())

@@ -1,0 +1,158 @@
+"""The iteration-level session: rows join at the next step, long prompts never block decoding, cancel, fixed
+KV slots, adaptive speculation; vectorised on-device acceptance == the per-row rules; a sync-free hot path (GPU)."""
+import pytest
+import torch
+
+from nemo_spec.inference import SamplingParams, generate
+from nemo_spec.inference.sampling import greedy_tree_accept, tree_accept, tree_accept_rows
+from nemo_spec.inference.session import Session
+from nemo_spec.inference.trees import ancestor_mask, children_lists
+from nemo_spec.models import build_gpt
+from tests.helpers import tiny_llama
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_gpt(tiny_llama()).eval()
+
+
+def _random_trees(g, b, n):
+    """Random ragged trees [b, 1 + n] (root first); invalid nodes' descendants invalid too."""
+    N = n + 1
+    par = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
+                       for _ in range(b)])
+    val = torch.rand(b, N, generator=g) < 0.85
+    val[:, 0] = True
+    for r in range(b):
+        for i in range(1, N):
+            val[r, i] &= bool(val[r, par[r, i]])
+    return par, val
+
+
+def test_vectorised_acceptance_equals_the_per_row_rules_on_random_trees():
+    """tree_accept_rows (all rows at once, a fixed number of tensor ops) gives exactly the path and next token of
+    tree_accept / greedy_tree_accept row by row: greedy and sampled rows mixed, i.i.d. drafts and deterministic
+    candidates, duplicate sibling tokens, ragged and invalid nodes."""
+    from nemo_spec.inference.engine import greedy_accept
+
+    g = torch.Generator().manual_seed(0)
+    V = 5
+    for trial in range(150):
+        b, n = 4, int(torch.randint(1, 14, (1,), generator=g))
+        par, val = _random_trees(g, b, n)
+        tok = torch.randint(0, V, (b, n + 1), generator=g)  # small vocab: sibling duplicates happen
+        kids = [children_lists(par[r].tolist(), val[r].tolist()) for r in range(b)]
+        K = max(1, max(len(k) for kl in kids for k in kl))
+        anc, depth = ancestor_mask(par, val)
+        D = int(depth.max())
+        p = torch.softmax(torch.randn(b, n + 1, V, generator=g) * 2, -1)
+        q = torch.softmax(torch.randn(b, n + 1, V, generator=g), -1) if trial % 2 else None
+        u = torch.rand(b, n + 2, generator=g)
+        am = p.argmax(-1)
+        sampled = torch.tensor([True, False, True, trial % 3 == 0])
+        m, path, nxt = tree_accept_rows(tok, par, val, D, K, argmax=am, p=p, q=q, u=u, sampled=sampled)
+        gm, gpath, gnxt = greedy_accept(am, tok, par, val, anc, depth, D)
+        for r in range(b):
+            if sampled[r]:
+                want = tree_accept(p[r], tok[r].tolist(), kids[r], None if q is None else q[r], iter(u[r].tolist()))
+            else:
+                want = greedy_tree_accept(am[r].tolist(), tok[r].tolist(), kids[r])
+                assert (int(gm[r]), gpath[r, 1:1 + len(want[0])].tolist(), int(gnxt[r])) == \
+                    (len(want[0]), want[0], want[1])
+            assert (int(m[r]), path[r, 1:1 + len(want[0])].tolist(), int(nxt[r])) == (len(want[0]), want[0], want[1])
+
+
+def test_a_late_short_request_gets_its_first_token_at_the_next_step(model):
+    """A row added while a long one runs (free slot) is prefilled and answered at the very next step, and a
+    long prompt read in chunks never stops the running row's decoding."""
+    sess = Session(model, "ar", max_batch=4, prefill_chunk_tokens=8, options={"ignore_eos": True})
+    seen = {}
+    long = sess.add([1, 2, 3], SamplingParams(max_new_tokens=60), lambda h, t: seen.setdefault(h, []).extend(t))
+    for _ in range(5):
+        sess.step()
+    step0 = sess.steps
+    short = sess.add([7, 8], SamplingParams(max_new_tokens=4))
+    sess.step()
+    assert sess.rows[short].first_step == step0  # first token in the step after add()
+    before = len(seen[long])
+    big = sess.add(list(range(1, 41)), SamplingParams(max_new_tokens=2))  # 40 prompt tokens: 5 chunks of 8
+    for _ in range(4):
+        sess.step()
+    assert len(seen[long]) == before + 4  # one token per step while the long prompt is read
+    assert sess.rows[big].prefilled < 40 and sess.rows[big].t_first is None
+    sess.run()
+    res = {h: sess.result(h) for h in (long, short, big)}
+    assert res[big].stats["prefill_chunks"] == 5
+    ref = generate(model, [[1, 2, 3], [7, 8], list(range(1, 41))],
+                   [SamplingParams(max_new_tokens=n) for n in (60, 4, 2)], options={"ignore_eos": True})
+    assert [res[h].tokens for h in (long, short, big)] == [r.tokens for r in ref]
+
+
+def test_cancel_and_fixed_slots(model):
+    """cancel() ends a queued or running row; many requests flow through the same preallocated KV buffers."""
+    sess = Session(model, "prompt_lookup", max_batch=2, options={"ignore_eos": True, "num_draft_tokens": 3})
+    k = sess.kv.k
+    hs = [sess.add([5, 6, 7, 5, 6], SamplingParams(max_new_tokens=6 + i)) for i in range(6)]
+    sess.step()
+    sess.cancel(hs[0])  # running
+    sess.cancel(hs[5])  # queued
+    sess.run()
+    res = [sess.result(h) for h in hs]
+    assert res[0].finish_reason == "cancelled" and res[5].finish_reason == "cancelled" and not res[5].tokens
+    ref = generate(model, [[5, 6, 7, 5, 6]], SamplingParams(max_new_tokens=10), options={"ignore_eos": True})[0]
+    for i in range(1, 5):
+        assert res[i].tokens == ref.tokens[:6 + i] and res[i].finish_reason == "length"
+    assert sess.kv.k is k and not sess.busy
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft_model"])
+def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method):
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3], [1, 2], [4, 4, 4]] * 2
+    sp = SamplingParams(max_new_tokens=12)
+    opts = {"ignore_eos": True, "num_draft_tokens": 4}
+    draft = model if method == "draft_model" else None
+    ar = generate(model, prompts, sp, options={"ignore_eos": True})
+    outs = generate(model, prompts, sp, method=method, draft_model=draft, options={**opts, "adaptive": True})
+    assert [o.tokens for o in outs] == [o.tokens for o in ar]
+    info = outs[0].stats["session"]
+    assert sum(info["levels"].values()) == info["steps"]  # every step decoded (rows join in the step prefilling them)
+    chosen = info["adaptive"]["chosen"]  # draft nodes -> steps, over this model's adaptive sessions
+    assert 0 in chosen and max(chosen) == 4  # explored plain decoding and the full draft
+    assert sum(outs[0].stats["speculation_levels"].values()) == outs[0].stats["target_forwards"] - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
+                                                ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])
+def test_decode_and_verify_steps_never_sync_the_device(method, temperature):
+    """Under torch.cuda.set_sync_debug_mode("error") whole session steps (prefill, draft, target verify, device
+    acceptance, cache keep, slot moves) run; the one allowed device -> host read is the accepted ids."""
+    from nemo_spec.speculative import SpeculativeTransform
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    target = build_gpt(tiny_llama(), device=dev).eval()
+    model, draft = target, None
+    if method == "draft_model":
+        draft = build_gpt(tiny_llama(num_layers=1), device=dev).eval()
+    elif method.startswith("eagle") or method == "medusa":
+        alg = "medusa" if method == "medusa" else "eagle3"
+        kw = {"num_medusa_heads": 2} if alg == "medusa" else {}
+        model = SpeculativeTransform(algorithm=alg, **kw)(target).to(dev).eval()
+    opts = {"ignore_eos": True, "depth": 3, "top_k": 2, "total_tokens": 5, "num_draft_tokens": 3}
+    sess = Session(model, method, draft, opts, max_batch=3, prefill_chunk_tokens=6)
+    sp = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=6 + 3 * i) for i in range(4)]
+    for i, p in enumerate(sp):
+        sess.add([1, 2, 3, 1, 2, 3, 4][: 3 + i], p)
+    sess.step()  # first use: kernels load, host buffers are pinned
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while sess.step():
+            pass
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(sess.result(h).finish_reason == "length" for h in range(4))
