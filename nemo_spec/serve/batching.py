@@ -186,16 +186,15 @@ class _SliceProgress:
     ended: int = 0
 
 
-class Batcher:
-    """Owns the bounded queue and the worker thread that runs the engine for one model."""
+class _RequestQueue:
+    """The producer side both schedulers share: the bounded FIFO of requests, closing, shutdown and aborts."""
 
-    def __init__(self, engine: EngineFn, tokenizer: Any, max_batch: int, max_queue: int,
-                 batch_wait_s: float = 0.005, metrics: Optional[ServerMetrics] = None, name: str = "model") -> None:
+    def _init_queue(self, tokenizer: Any, max_batch: int, max_queue: int, batch_wait_s: float,
+                    metrics: Optional[ServerMetrics], name: str) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -210,9 +209,11 @@ class Batcher:
         self._abort_message: Optional[str] = None
         self.running_rows = 0
         self.batches_run = 0
-        self._current: List[GenRequest] = []
-        self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread
+
+    def _running_requests(self) -> List[GenRequest]:
+        """Requests with rows generating now."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ producer side
     def queue_depth(self) -> int:
@@ -235,12 +236,12 @@ class Batcher:
 
     def close(self, drain: bool = True, timeout: Optional[float] = None, cancel_running: bool = False) -> None:
         """Stop accepting requests; with drain, finish queued ones first, else fail them; join the worker.
-        ``cancel_running`` also stops the batch in progress at its next step (server shutdown)."""
+        ``cancel_running`` also stops the rows in progress at their next step (server shutdown)."""
         with self._cond:
             self._closed = True
             self._drain = drain
             if cancel_running:
-                for req in self._current:
+                for req in self._running_requests():
                     req.cancelled = True
             if not drain:
                 self._fail_pending(503, f"model {self.name!r} was unloaded before the request started",
@@ -261,7 +262,7 @@ class Batcher:
         yet (later slices of split requests, reruns), with a 503 error event."""
         with self._cond:
             self._abort_message = message
-            for req in self._current:
+            for req in self._running_requests():
                 req.aborted = message
             self._fail_pending(503, message, "server_shutdown", started_too=True)
             self._cond.notify_all()
@@ -286,6 +287,30 @@ class Batcher:
     def alive(self) -> bool:
         """Whether the worker thread is running."""
         return self._thread.is_alive()
+
+    def _end_rows(self, req: GenRequest, n: int) -> None:
+        """Count ``n`` finished rows of ``req``; at its last row record its latency and TTFT (the same set of
+        requests: those that received at least one token)."""
+        was_done = req.done
+        req.rows_done += n
+        if req.done and not was_done and req.first_token is not None:
+            self.metrics.ttft.observe(req.first_token - req.arrived)
+            self.metrics.latency.observe(time.monotonic() - req.arrived)
+
+
+class Batcher(_RequestQueue):
+    """Owns the bounded queue and the worker thread that runs the engine for one model."""
+
+    def __init__(self, engine: EngineFn, tokenizer: Any, max_batch: int, max_queue: int,
+                 batch_wait_s: float = 0.005, metrics: Optional[ServerMetrics] = None, name: str = "model") -> None:
+        self._init_queue(tokenizer, max_batch, max_queue, batch_wait_s, metrics, name)
+        self.engine = engine
+        self._current: List[GenRequest] = []
+        self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
+        self._thread.start()
+
+    def _running_requests(self) -> List[GenRequest]:
+        return list(self._current)
 
     # ------------------------------------------------------------ worker side
     def _take_batch(self) -> Optional[List[Slice]]:
@@ -361,15 +386,6 @@ class Batcher:
                 req.fail(500, message)
             else:
                 self._run([(req, rows)])
-
-    def _end_rows(self, req: GenRequest, n: int) -> None:
-        """Count ``n`` finished rows of ``req``; at its last row record its latency and TTFT (the same set of
-        requests: those that received at least one token)."""
-        was_done = req.done
-        req.rows_done += n
-        if req.done and not was_done and req.first_token is not None:
-            self.metrics.ttft.observe(req.first_token - req.arrived)
-            self.metrics.latency.observe(time.monotonic() - req.arrived)
 
     def _execute(self, batch: List[Slice], progress: List[_SliceProgress]) -> None:
         rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder, _SliceProgress]] = []
@@ -494,7 +510,7 @@ class _Live:
     ended: bool = False
 
 
-class SessionBatcher:
+class SessionBatcher(_RequestQueue):
     """Continuous batching: one worker thread steps a :class:`nemo_spec.inference.session.Session`; queued rows
     join the running batch at the next step, finished rows leave it at once.
 
@@ -508,44 +524,17 @@ class SessionBatcher:
 
     def __init__(self, session: Any, tokenizer: Any, max_batch: int, max_queue: int, batch_wait_s: float = 0.005,
                  metrics: Optional[ServerMetrics] = None, name: str = "model") -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self._init_queue(tokenizer, max_batch, max_queue, batch_wait_s, metrics, name)
         self.session = session
         self.engine = session  # released by ServedModel.close
-        self.tokenizer = tokenizer
-        self.max_batch = max_batch
-        self.max_queue = max_queue
-        self.batch_wait_s = batch_wait_s
-        self.metrics = metrics or ServerMetrics()
-        self.name = name
-        self._pending: Deque[GenRequest] = collections.deque()
         self._resume: Deque[List[_Live]] = collections.deque()  # after a failed step: one request's rows each
         self._isolated: Optional[GenRequest] = None  # running alone after a failed step
         self._live: Dict[int, _Live] = {}
-        self._cond = threading.Condition()
-        self._closed = False
-        self._drain = True
-        self._closed_reason = f"model {name!r} is being unloaded"
-        self._abort_message: Optional[str] = None
-        self.running_rows = 0
-        self.batches_run = 0
         self.steps_run = 0
         self.step_failures = 0
         self._thread = threading.Thread(target=self._loop, name=f"session-{name}", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ producer side (as Batcher)
-    queue_depth = Batcher.queue_depth
-    alive = Batcher.alive
-    _abort_of = Batcher._abort_of
-    _fail_pending = Batcher._fail_pending
-    _end_rows = Batcher._end_rows
-
-    def submit(self, req: GenRequest) -> None:
-        """Enqueue a request; raises QueueFullError / BatcherClosedError instead of blocking."""
-        Batcher.submit(self, req)  # type: ignore[arg-type]
 
     def _running_requests(self) -> List[GenRequest]:
         reqs: List[GenRequest] = []
@@ -553,39 +542,6 @@ class SessionBatcher:
             if lv.req not in reqs:
                 reqs.append(lv.req)
         return reqs
-
-    def close(self, drain: bool = True, timeout: Optional[float] = None, cancel_running: bool = False) -> None:
-        """Stop accepting requests; with drain, finish queued ones first, else fail them; join the worker.
-        ``cancel_running`` also stops the rows in progress at the next step (server shutdown)."""
-        with self._cond:
-            self._closed = True
-            self._drain = drain
-            if cancel_running:
-                for req in self._running_requests():
-                    req.cancelled = True
-            if not drain:
-                self._fail_pending(503, f"model {self.name!r} was unloaded before the request started",
-                                   "model_unloaded")
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def begin_shutdown(self, message: str = "the server is shutting down") -> None:
-        """Server shutdown, first phase: refuse new requests and answer queued ones at once (503)."""
-        with self._cond:
-            self._closed = True
-            self._closed_reason = message
-            self._fail_pending(503, message, "server_shutdown")
-            self._cond.notify_all()
-
-    def abort_running(self, message: str = "the server is shutting down") -> None:
-        """Server shutdown, after the drain time: end every running row, and every one not started yet, with a
-        503 error event."""
-        with self._cond:
-            self._abort_message = message
-            for req in self._running_requests():
-                req.aborted = message
-            self._fail_pending(503, message, "server_shutdown", started_too=True)
-            self._cond.notify_all()
 
     # ------------------------------------------------------------ worker side
     def _loop(self) -> None:
