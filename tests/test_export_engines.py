@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_spec.export import ExportError, export_checkpoint, export_model, import_draft
 from nemo_spec.export.engines import EngineMismatch, format_table, verify_export
-from nemo_spec.export.engines import sglang, vllm
+from nemo_spec.export.engines import sglang, trtllm, vllm
 from nemo_spec.export.engines._llama import base_forward
 from tests.export_utils import make_model
 
@@ -198,6 +198,50 @@ def test_single_target_writes_draft_dir_and_verifies_at_export(tmp_path):
     assert (exp / "draft" / "config.json").is_file() and not (exp / "draft" / "vllm").exists()
     with pytest.raises(ExportError, match="EaModel captures the inputs of layers 2, L//2, L-3"):
         export_model(model, tmp_path / "r", target="reference")
+
+
+def test_trtllm_b35ac1b_multi_layer_names_and_every_layer_eagle3(exports, tmp_path):
+    """TensorRT-LLM @ b35ac1b64368: load_weights only prefixes 'model.' (modeling_speculative.py:301-305) onto
+    midlayer.N (171-177), and every layer is an Eagle3DecoderLayer with input_layernorm + hidden_norm and a 2h qkv
+    (55-56, 97-107, 119-122). The old layers.N.* output with a Llama layer 1 loaded nothing for midlayer.1."""
+    model, exp = exports["eagle3_full_2layers"]
+    run = base_forward(exp / "base", IDS)
+    d = exp / "draft" / "trtllm"
+    w = load_file(str(d / "model.safetensors"))
+    assert not any(k.startswith("layers.") for k in w) and "d2t" not in w and "t2d" not in w
+    for i in (0, 1):
+        for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            assert f"midlayer.{i}.{n}.weight" in w
+        assert tuple(w[f"midlayer.{i}.self_attn.q_proj.weight"].shape) == (64, 128)
+    assert w["midlayer.1.self_attn.q_proj.weight"][:, :64].abs().max() == 0  # layer 1 ignores the embedding
+    launch = {"eagle3_layers_to_capture": json.loads((d / "config.json").read_text())["nemo_spec_aux"]["captured"]}
+    assert (trtllm.draft_logits("eagle3", d, run, IDS, launch) - _draft(model)).abs().max() < 1e-4
+
+    def old_layout(t):  # what the exporter used to write: layers.N.*, layer 1 a Llama layer normed by hidden_norm
+        for k in list(t):
+            if k.startswith("midlayer.1."):
+                v = t.pop(k)
+                if k.endswith("input_layernorm.weight"):
+                    continue
+                t["layers.1." + k[len("midlayer.1."):]] = v[:, 64:].contiguous() if "_proj.weight" in k and ".self_attn." in k \
+                    and k.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else v
+            elif k.startswith("midlayer.0."):
+                t["layers.0." + k[len("midlayer.0."):]] = t.pop(k)
+
+    old = _copy(d, tmp_path / "old", tensor_edit=old_layout)
+    with pytest.raises(EngineMismatch, match="name no module"):
+        trtllm.draft_logits("eagle3", old, run, IDS, launch)
+
+
+def test_trtllm_single_captured_layer_has_no_fc(exports, tmp_path):
+    """modeling_speculative.py:164-168 builds fc only for num_capture_layers > 1 (337-338 skip it otherwise)."""
+    model = make_model("eagle3", aux_layers=[2, 2, 2], seed=3).eval()
+    with pytest.raises(ExportError, match="fc only for more than one captured layer"):
+        export_model(model, tmp_path / "t", target="trtllm")
+    _, exp = exports["eagle3_reduced"]
+    run = base_forward(exp / "base", IDS)
+    with pytest.raises(EngineMismatch, match="no parameter for \\['fc.weight'"):  # one capture layer: no fc module
+        trtllm.draft_logits("eagle3", exp / "draft" / "trtllm", run, IDS, {"eagle3_layers_to_capture": [2]})
 
 
 def test_verify_script_exit_codes(tmp_path, capsys):

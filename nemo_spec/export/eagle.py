@@ -150,6 +150,15 @@ def _fc_from_captured(fc: torch.Tensor, aux: List[int], h: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _eagle3_prefixes(n_layers: int, engine: str) -> List[str]:
+    """File prefixes of the draft layers: ``midlayer.`` for one layer; several are ``layers.N.`` (vLLM/SGLang/
+    reference), ``midlayer.N.`` for TensorRT-LLM @ b35ac1b64368, whose load_weights only prefixes ``model.``
+    onto the module list ``midlayer`` (modeling_speculative.py:171-177, 301-305)."""
+    if n_layers == 1:
+        return ["midlayer."]
+    return [(f"midlayer.{i}." if engine == "trtllm" else f"layers.{i}.") for i in range(n_layers)]
+
+
 def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -> str | None:
     """Why ``engine`` cannot run this EAGLE-3 draft exactly (None when it can); see nemo_spec.export.engines."""
     from nemo_spec.export.engines import reference
@@ -161,8 +170,13 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
                     f"(srt/models/llama.py:486-493, 941); use aux_layers below {cfg.num_layers - 1}")
         if cfg.add_qkv_bias:
             return "SGLang builds the EAGLE-3 qkv without bias (srt/models/llama_eagle3.py:67-75)"
-    if engine == "trtllm" and cfg.add_qkv_bias:
-        return "TensorRT-LLM's Eagle3 draft attention is built without qkv bias"
+    if engine == "trtllm":  # TensorRT-LLM @ b35ac1b64368, see nemo_spec.export.engines.trtllm
+        if cfg.add_qkv_bias:
+            return ("TensorRT-LLM's Eagle3 attention takes one attention_bias for q/k/v and o_proj "
+                    "(modeling_speculative.py:40, 58); a q/k/v-only bias is not written for it")
+        if len(aux) < 2:
+            return (f"TensorRT-LLM builds fc only for more than one captured layer (modeling_speculative.py:164-168,"
+                    f" 337-338): with the single captured layer {aux} its draft skips this draft's fc")
     if engine == "reference":
         if spec.num_eagle_layers > 1:
             return "EaModel builds a single midlayer (eagle/model/cnets.py:530)"
@@ -192,13 +206,23 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     aux = spec.resolved_aux_layers(cfg.num_layers)
     uniq = captured_layers(aux)
     out: Dict[str, torch.Tensor] = {"fc.weight": _fc_for_captured(_need(neutral, "fc.weight"), aux, h)}
-    for i in range(n_layers):
-        dst = "midlayer." if (i == 0 and n_layers == 1) else f"layers.{i}."
+    prefixes = _eagle3_prefixes(n_layers, engine)
+    for i, dst in enumerate(prefixes):
         layer = layer_to_hf(neutral, f"layers.{i}.", dst, nh, ng, hd, input_norm=True)
-        if i > 0 and engine in ("sglang", "trtllm"):  # layers >= 1 normalise with hidden_norm there
+        if i > 0 and engine == "sglang":  # layers >= 1 normalise with hidden_norm there
             layer[dst + "hidden_norm.weight"] = layer.pop(dst + "input_layernorm.weight")
+        elif i > 0 and engine == "trtllm":
+            # TensorRT-LLM @ b35ac1b64368: every layer is an Eagle3DecoderLayer whose qkv reads
+            # cat(input_layernorm(embeds), hidden_norm(stream)) with 2h inputs (modeling_speculative.py:55-56,
+            # 97-107, 119-122). Our layer i >= 1 reads input_layernorm(stream) only: zero qkv columns for the
+            # embedding half and our input norm as hidden_norm give the same function exactly.
+            layer[dst + "hidden_norm.weight"] = layer.pop(dst + "input_layernorm.weight")
+            layer[dst + "input_layernorm.weight"] = torch.ones(h, dtype=layer[dst + "hidden_norm.weight"].dtype)
+            for x in "qkv":
+                wt = layer[f"{dst}self_attn.{x}_proj.weight"]
+                layer[f"{dst}self_attn.{x}_proj.weight"] = torch.cat([torch.zeros_like(wt), wt], dim=1)
         out.update(layer)
-    first = "midlayer." if n_layers == 1 else "layers.0."
+    first = prefixes[0]
     out[first + "hidden_norm.weight"] = _need(neutral, "layers.0.hidden_norm.weight")
     out["norm.weight"] = _need(neutral, "final_layernorm.weight")
     out["lm_head.weight"] = _need(neutral, "output_layer.weight")
@@ -213,7 +237,8 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[base_ids] = True
     reduced = vd != cfg.vocab_size
-    # vLLM / TensorRT-LLM have no d2t parameter for a full vocabulary (vllm llama_eagle3.py:338-345 raises on it)
+    # vLLM / TensorRT-LLM have no d2t parameter for a full vocabulary (vllm llama_eagle3.py:338-345 raises on it;
+    # TensorRT-LLM @ b35ac1b64368 modeling_speculative.py:183-186 builds d2t only when vocab_size != draft_vocab_size)
     if reduced or engine == "reference":
         out["d2t"] = d2t
         if engine != "trtllm":
@@ -226,7 +251,7 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     elif engine == "sglang":  # SGLang adds 1 itself (srt/models/llama.py:941): write 0-based layer ids
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(uniq), "use_aux_hidden_state": True}
-    elif engine == "trtllm":  # captured from EagleDecodingConfig.eagle3_layers_to_capture (0-based outputs)
+    elif engine == "trtllm":  # EagleDecodingConfig.eagle3_layers_to_capture: 0-based layer outputs (engines.trtllm)
         launch["eagle3_layers_to_capture"] = list(uniq)
     conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq), "engine": engine}
     if uniq != list(aux):
@@ -250,7 +275,13 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
-    first = "midlayer." if "midlayer.self_attn.q_proj.weight" in tensors else "layers.0."
+    if "midlayer.self_attn.q_proj.weight" in tensors:
+        prefixes = ["midlayer."]
+    elif "midlayer.0.self_attn.q_proj.weight" in tensors:  # TensorRT-LLM's multi-layer names
+        prefixes = [f"midlayer.{i}." for i in range(n_layers)]
+    else:
+        prefixes = [f"layers.{i}." for i in range(n_layers)]
+    first = prefixes[0]
     fc = tensors["fc.weight"]
     meta = conf.get("nemo_spec_aux") or {}
     if meta.get("aux_layers") and fc.shape[1] != len(meta["aux_layers"]) * cfg.hidden_size:
@@ -258,10 +289,20 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     out: Dict[str, torch.Tensor] = {"fc.weight": fc}
     if "fc.bias" in tensors:
         out["fc.bias"] = tensors["fc.bias"]
+    h = cfg.hidden_size
     for i in range(n_layers):
-        src = first if i == 0 else f"layers.{i}."
+        src = prefixes[i]
         sd = dict(tensors)
         if i > 0 and src + "input_layernorm.weight" not in sd and src + "hidden_norm.weight" in sd:
+            sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
+        q = sd.get(src + "self_attn.q_proj.weight")
+        if i > 0 and q is not None and q.shape[1] == 2 * h:  # TensorRT-LLM layout: [embedding half | stream half]
+            for x in "qkv":
+                wt = sd[f"{src}self_attn.{x}_proj.weight"]
+                if wt[:, :h].abs().max() > 0:
+                    raise ExportError(f"{src}self_attn.{x}_proj.weight reads the embedding (nonzero first {h} "
+                                      f"columns): layer {i} is not a Llama layer of this draft")
+                sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
         out.update(layer_from_hf(sd, src, f"layers.{i}.", nh, ng, hd, input_norm=True))
     for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),

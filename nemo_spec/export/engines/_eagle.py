@@ -15,8 +15,8 @@ def eagle3_forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tens
     """EAGLE-3 draft hidden (pre lm_head) from weights named ``layers.{i}.*``/``fc``/``norm``.
 
     Layer 0 attends over cat(input_layernorm(emb), hidden_norm(fc(feat))) with fc(feat) as residual; layers >= 1
-    are Llama layers whose input norm is ``later_norm`` ('input_layernorm' in vLLM, 'hidden_norm' in SGLang /
-    TensorRT-LLM); the last residual goes through ``norm``.
+    are Llama layers whose input norm is ``later_norm`` ('input_layernorm' in vLLM, 'hidden_norm' in SGLang);
+    TensorRT-LLM's layers are all Eagle3 layers (engines.trtllm); the last residual goes through ``norm``.
     """
     eps = float(conf["rms_norm_eps"])
     hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])

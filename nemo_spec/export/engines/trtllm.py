@@ -1,12 +1,21 @@
 """TensorRT-LLM (PyTorch backend, EAGLE-3 through ``EagleDecodingConfig``) conformance reader.
 
-The wheel is too large to download here; written from the stored public NVIDIA/TensorRT-LLM sources:
-  [S] tensorrt_llm/_torch/models/modeling_speculative.py, 2026 main snapshot (Eagle3DecoderLayer,
-      Eagle3DraftModel, Eagle3ForCausalLM.load_weights; line numbers not pinned: cited by function)
-  [E] tensorrt_llm/_torch/speculative/eagle3.py @ 001e67005b4f (Eagle3SpecMetadata.__post_init__,
-      maybe_capture_hidden_states)
-  [A] tensorrt_llm/_torch/models/modeling_auto.py @ cf44a1ccee7d L12-43 (EAGLE-3 architecture rewrite)
+Pinned to NVIDIA/TensorRT-LLM commit b35ac1b64368513d215c57d2ed01d62d910df8da. The wheel is too large to
+download here; written from the stored public sources at that commit:
+  [S] tensorrt_llm/_torch/models/modeling_speculative.py @ b35ac1b (Eagle3Attention L27-67, Eagle3DecoderLayer
+      L70-140, Eagle3DraftModel L143-252, Eagle3ForCausalLM L256-341); every rule below cites ``[S] L<n>``.
+  [I] tensorrt_llm/_torch/speculative/interface.py @ b35ac1b (SpecMetadata.maybe_capture_hidden_states hook).
+Not pinned: the index of public sources holds no copy of these three files at b35ac1b (and the repository
+mirror is too large to fetch here), so the rules taken from them are cited by function name, from the
+nearest stored snapshot, and flagged "(unpinned)" where used:
+  [E] tensorrt_llm/_torch/speculative/eagle3.py, Eagle3SpecMetadata.__post_init__ (default capture layers,
+      sorting) and maybe_capture_hidden_states (saves hidden_states + residual = the layer's output)
+  [A] tensorrt_llm/_torch/models/modeling_auto.py (EAGLE-3 architecture rewrite on draft_vocab_size)
   [L] tensorrt_llm/llmapi/llm_args.py, EagleDecodingConfig.num_capture_layers / eagle3_layers_to_capture
+At b35ac1b (unlike later snapshots): load_weights only prefixes ``model.`` ([S] L301-305), so the file's names
+are the module names, ``midlayer.*`` for one layer and ``midlayer.{i}.*`` for several ([S] L171-177); EVERY
+draft layer is an Eagle3DecoderLayer with input_layernorm, hidden_norm and a 2h-input qkv ([S] L56, L97-107,
+L119-122); fc exists only for more than one captured layer ([S] L164-168, L337-338).
 EAGLE-1 and Medusa drafts of this layout are not claimed (TensorRT-LLM's EAGLE-1/Medusa paths use their own
 checkpoint conversion).
 """
@@ -18,19 +27,20 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from nemo_spec.export.engines._eagle import eagle3_forward, layer_names
 from nemo_spec.export.engines._llama import (
-    BaseRun, EngineMismatch, Unsupported, read_config, read_dir, require, scatter_draft_logits,
+    BaseRun, EngineMismatch, Unsupported, attention, mlp, read_config, read_dir, require, rms,
+    scatter_draft_logits,
 )
 
 NAME = "trtllm"
-VERSION = "main@2026 (sources above)"
+COMMIT = "b35ac1b64368513d215c57d2ed01d62d910df8da"
+VERSION = f"NVIDIA/TensorRT-LLM@{COMMIT[:12]} (modeling_speculative.py pinned; eagle3/modeling_auto/llm_args unpinned)"
 FORMATS = ("eagle3",)
 
 
 def capture_layers(launch: Mapping[str, Any], num_layers: int) -> list:
     """Base layers TensorRT-LLM captures: ``eagle3_layers_to_capture`` of the launch config, sorted as a set, else
-    (1, L//2-1, L-4), which needs L > 5 ([E] Eagle3SpecMetadata.__post_init__)."""
+    (1, L//2-1, L-4), which needs L > 5 ([E] Eagle3SpecMetadata.__post_init__, unpinned)."""
     layers = launch.get("eagle3_layers_to_capture")
     if layers is None:
         if num_layers <= 5:
@@ -40,13 +50,42 @@ def capture_layers(launch: Mapping[str, Any], num_layers: int) -> list:
     return sorted(set(int(i) for i in layers))
 
 
-def _rename(w: Mapping[str, torch.Tensor], n: int) -> dict:
-    # [S] Eagle3ForCausalLM.load_weights: one layer: layers.0.* -> midlayer.*; several: layers.X.* -> midlayer.X.*
-    out = {}
-    for k, v in w.items():
-        k = re.sub(r"^layers\.0\.", "midlayer.", k) if n == 1 else re.sub(r"^layers\.(\d+)\.", r"midlayer.\1.", k)
-        out[k] = v
-    return out
+def layer_prefixes(n: int) -> list:
+    """File prefixes of the draft layers: the module names under ``model.`` ([S] L171-177, L301-305)."""
+    return ["midlayer."] if n == 1 else [f"midlayer.{i}." for i in range(n)]
+
+
+def expected_names(n: int, num_capture: int, reduced: bool, attn_bias: bool, fc_bias: bool) -> list:
+    """Tensor names the draft builds parameters for (lm_head/embed_tokens handled separately)."""
+    need = ["norm.weight"]  # [S] L179-181
+    if num_capture > 1:  # [S] L164-168: fc only for more than one captured layer, bias from config 'bias'
+        need.append("fc.weight")
+        if fc_bias:
+            need.append("fc.bias")
+    for p in layer_prefixes(n):
+        need += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]  # [S] L55-66 (qkv fused from q/k/v), L35-48 (o_proj)
+        if attn_bias:  # [S] L58 qkv bias = attention_bias; [S] L40 passes it to Attention (o_proj)
+            need += [f"{p}self_attn.{x}_proj.bias" for x in "qkvo"]
+        need += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]  # [S] L88-96, mlp_bias L91
+        # [S] L97-107: every layer, not only the first, has input_layernorm, hidden_norm, post_attention_layernorm
+        need += [f"{p}{x}.weight" for x in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    if reduced:
+        need.append("d2t")  # [S] L183-186: int32 d2t parameter only when vocab_size != draft_vocab_size
+    return need
+
+
+def _forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tensor, x: torch.Tensor,
+             attn_bias: bool) -> torch.Tensor:
+    """Draft hidden before lm_head, as Eagle3DraftModel.forward composes its layers ([S] L208-252)."""
+    eps = float(conf["rms_norm_eps"])
+    hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
+    for p in layer_prefixes(int(conf["num_hidden_layers"])):
+        # [S] L236-237 + L117/L130-131: the layer input is the previous layer's mlp output + residual (the
+        # residual stream); [S] L119-122: attention reads cat(input_layernorm(embeds), hidden_norm(stream))
+        a = torch.cat([rms(emb, w[p + "input_layernorm.weight"], eps), rms(x, w[p + "hidden_norm.weight"], eps)], -1)
+        x = x + attention(a, w, p, conf, hd, attn_bias, attn_bias)
+        x = x + mlp(rms(x, w[p + "post_attention_layernorm.weight"], eps), w, p)  # [S] L130-132
+    return rms(x, w["norm.weight"], eps)  # [S] L250-251: norm(hidden_states, residual)
 
 
 def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Mapping[str, Any]) -> torch.Tensor:
@@ -54,47 +93,71 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
     conf = read_config(draft_dir)
     if "draft_vocab_size" not in conf:
         raise EngineMismatch("trtllm: no draft_vocab_size in config.json, so the EAGLE-3 architecture is not "
-                             "selected ([A] modeling_auto.py L12-43)")
+                             "selected ([A] modeling_auto.py, unpinned) and Eagle3ForCausalLM reads "
+                             "pretrained_config.draft_vocab_size ([S] L265-266)")
     arch = "EAGLE3" + (conf.get("architectures") or [""])[0].replace("Eagle3", "")
-    if arch != "EAGLE3LlamaForCausalLM":
-        raise EngineMismatch(f"trtllm: architecture resolves to {arch!r}, not 'EAGLE3LlamaForCausalLM' ([A])")
+    if arch != "EAGLE3LlamaForCausalLM":  # [S] L256 registers 'EAGLE3LlamaForCausalLM'; rewrite in [A] (unpinned)
+        raise EngineMismatch(f"trtllm: architecture resolves to {arch!r}, not 'EAGLE3LlamaForCausalLM' ([S] L256)")
     n, h, vocab = int(conf["num_hidden_layers"]), int(conf["hidden_size"]), int(conf["vocab_size"])
     vd = int(conf["draft_vocab_size"])
-    w = _rename(read_dir(draft_dir, ["model.safetensors"]), n)
+    reduced = vd != vocab  # [S] L183
+    attn_bias, fc_bias = bool(conf.get("attention_bias", False)), bool(conf.get("bias", False))
+    h_in = int(conf.get("target_hidden_size", h))  # [S] L159-162
+    if h_in != int(base.config["hidden_size"]):
+        raise EngineMismatch(f"trtllm: target_hidden_size {h_in} != the base's hidden_size "
+                             f"{base.config['hidden_size']} ([S] L159-162)")
+    w = read_dir(draft_dir, ["model.safetensors"])
     layers = capture_layers(launch, base.num_layers)
     if layers[0] < 0 or layers[-1] >= base.num_layers:
-        raise EngineMismatch(f"trtllm: capture layers {layers} outside the base's 0..{base.num_layers - 1}")
-    fc_in = h * len(layers)  # [S] Eagle3DraftModel: fc [hidden_size_in * num_capture_layers -> hidden]
-    if tuple(w["fc.weight"].shape) != (h, fc_in):
-        raise EngineMismatch(f"trtllm: fc.weight {tuple(w['fc.weight'].shape)} != [{h}, {fc_in}] for capture "
-                             f"layers {layers} ([L] num_capture_layers = len(eagle3_layers_to_capture))")
-    pre = ["midlayer."] if n == 1 else [f"midlayer.{i}." for i in range(n)]
+        raise EngineMismatch(f"trtllm: capture layers {layers} outside the base's 0..{base.num_layers - 1} (-1, "
+                             f"the final-normed output, is not claimed here)")
+    stray = sorted(k for k in w if re.match(r"^layers\.\d+\.", k))
+    if stray:
+        raise EngineMismatch(f"trtllm: {stray[:3]} name no module: load_weights only prefixes 'model.' "
+                             f"([S] L301-305) and the layers are model.midlayer / model.midlayer.N ([S] L171-177)")
     if n > 1 and any(k.startswith("midlayer.") and not re.match(r"^midlayer\.\d+\.", k) for k in w):
-        raise EngineMismatch("trtllm: a multi-layer draft needs layers.N.* names; 'midlayer.*' does not map to "
-                             "midlayer.0 ([S] Eagle3ForCausalLM.load_weights)")
-    need = ["fc.weight", "norm.weight"]
-    for i, p in enumerate(pre):
-        # [S] Eagle3DecoderLayer: every layer has hidden_norm; only the first has input_layernorm
-        # (next_layer_regular) and a 2h qkv input
-        need += layer_names(p, "hidden_norm", input_norm=i == 0)
-    if vd != vocab:
-        need.append("d2t")  # [S] Eagle3DraftModel: d2t int32 parameter only for a reduced vocabulary
+        raise EngineMismatch("trtllm: a multi-layer draft is an nn.ModuleList 'midlayer.N.*' ([S] L171-175); "
+                             "'midlayer.*' names no module")
+    need = expected_names(n, len(layers), reduced, attn_bias, fc_bias)
     require(w, need, "trtllm", "parameters the draft builds but the file lacks")
-    extra = sorted(k for k in w if k not in need and k not in ("lm_head.weight", "t2d", "embed_tokens.weight"))
+    optional = {"lm_head.weight"} | ({"embed_tokens.weight"} if h_in != h else set())
+    extra = sorted(k for k in w if k not in need and k not in optional)
     if extra:
-        raise EngineMismatch(f"trtllm: no parameter for {extra[:5]} ([S] Eagle3DecoderLayer builds no "
-                             f"input_layernorm after the first layer and d2t only for a reduced vocabulary)")
-    ren = {"fc.weight": w["fc.weight"], "norm.weight": w["norm.weight"]}
-    for i, p in enumerate(pre):
-        for k, v in w.items():
-            if k.startswith(p):
-                ren[f"layers.{i}." + k[len(p):]] = v
-    emb = base.embed[ids[:, 1:]]  # [S] load_weights_from_target_model: embed_tokens shared
-    feat = torch.cat([base.stream[j + 1] for j in layers], -1)[:, :-1]  # [E] captures each layer's output
-    hidden = eagle3_forward(ren, conf, emb, feat, later_norm="hidden_norm")
-    head = w.get("lm_head.weight", base.lm_head)  # [S] lm_head from the draft if stored, else the target's
+        raise EngineMismatch(f"trtllm: no parameter for {extra[:5]} ([S] L143-206 builds fc only for several "
+                             f"captured layers, d2t only for a reduced vocabulary)")
+    for p in layer_prefixes(n):  # [S] L55-56: qkv takes 2 * hidden_size inputs in every layer
+        q = w[p + "self_attn.q_proj.weight"]
+        if q.shape[1] != 2 * h:
+            raise EngineMismatch(f"trtllm: {p}self_attn.q_proj.weight {tuple(q.shape)} has {q.shape[1]} inputs; "
+                                 f"Eagle3Attention's qkv takes 2*hidden_size = {2 * h} in every layer ([S] L55-56)")
+    if len(layers) > 1:  # [S] L164-168: fc [hidden_size_in * num_capture_layers -> hidden_size]
+        fc_in = h_in * len(layers)
+        if tuple(w["fc.weight"].shape) != (h, fc_in):
+            raise EngineMismatch(f"trtllm: fc.weight {tuple(w['fc.weight'].shape)} != [{h}, {fc_in}] for capture "
+                                 f"layers {layers} ([S] L164-168; [L] num_capture_layers = "
+                                 f"len(eagle3_layers_to_capture), unpinned)")
+    if h_in != h:  # [S] L188-203: own embedding when the target's width differs, else shared ([S] L206, L320-321)
+        require(w, ["embed_tokens.weight"], "trtllm", "target_hidden_size != hidden_size needs the draft's embedding")
+        emb = w["embed_tokens.weight"][ids[:, 1:]]
+    else:
+        emb = base.embed[ids[:, 1:]]
+    # [E] maybe_capture_hidden_states (unpinned) saves hidden_states + residual: 0-based layer j's output
+    feat = torch.cat([base.stream[j + 1] for j in layers], -1)[:, :-1]
+    x = feat @ w["fc.weight"].T if len(layers) > 1 else feat  # [S] L336-338: fc only when width != hidden_size
+    if len(layers) > 1 and fc_bias:
+        x = x + w["fc.bias"]
+    hidden = _forward(w, conf, emb, x, attn_bias)
+    if "lm_head.weight" in w:  # [S] L304-307: any lm_head key -> loaded from the draft
+        head = w["lm_head.weight"]
+        if head.shape[0] != vd:  # [S] L267-270: lm_head has draft_vocab_size rows
+            raise EngineMismatch(f"trtllm: lm_head.weight has {head.shape[0]} rows, draft_vocab_size is {vd}")
+    elif reduced:
+        raise EngineMismatch("trtllm: no lm_head.weight, so the target's full-vocabulary head is used ([S] L322-323), "
+                             "which d2t (draft ids) does not index")
+    else:
+        head = base.lm_head  # [S] L322-323
     logits = hidden @ head.T
-    base_ids = (torch.arange(vd) + w["d2t"].long()) if vd != vocab else None
+    base_ids = (torch.arange(vd) + w["d2t"].long()) if reduced else None
     return scatter_draft_logits(logits, base_ids, vocab)
 
 
