@@ -87,9 +87,13 @@ def verify_main(argv: Optional[Sequence[str]] = None) -> int:
     from nemo_spec.checkpoint import CheckpointError
     from nemo_spec.export.engines import format_table, rows_ok, verify_export
 
+    import torch.distributed as dist
+
     args = build_verify_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parallel.initialize(tensor_parallel_size=1)
+    owns = not dist.is_initialized()  # called in-process (tests, notebooks): leave the caller's parallel state
+    if owns:
+        parallel.initialize(tensor_parallel_size=1)
     try:
         engines = args.engines.split(",") if args.engines else None
         rows = verify_export(args.export_dir, checkpoint=args.checkpoint, num_inputs=args.num_inputs,
@@ -98,6 +102,7 @@ def verify_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        parallel.destroy()
+        if owns:
+            parallel.destroy()
     print(format_table(rows))
     return 0 if rows_ok(rows) else 1
