@@ -160,6 +160,11 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
     if engine == "trtllm" and cfg.add_qkv_bias:
         return "TensorRT-LLM's Eagle3 draft attention is built without qkv bias"
     if engine == "reference":
+        from nemo_spec.checkpoint.families import family_for_export
+
+        why = reference.base_unsupported(family_for_export(cfg).architecture)
+        if why:
+            return why
         if spec.num_eagle_layers > 1:
             return "EaModel builds a single midlayer (eagle/model/cnets.py:530)"
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:

@@ -9,7 +9,10 @@ from nemo_spec.checkpoint.families._base import Family, Limits, WeightMap, is_, 
 from nemo_spec.config import ModelConfig
 
 ARCH = "LlamaForCausalLM"
+#: engines whose conformance readers verify EAGLE drafts on this base (export.engines; the reference code, EaModel,
+#: runs Llama, Qwen2, Qwen3 and Mixtral bases only: export/engines/reference.py BASE_ARCHITECTURES)
 ENGINES = "vllm, sglang, trtllm, reference"
+ENGINES_NO_REFERENCE = "vllm, sglang, trtllm"
 
 
 def from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
