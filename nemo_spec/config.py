@@ -31,7 +31,7 @@ def dataclass_from_dict(cls: type, d: Dict[str, Any], source: str = "<dict>") ->
 
 @dataclass
 class ModelConfig:
-    """Architecture of a GPT model (Llama family or GPT-2 family)."""
+    """Architecture of a GPT model (Llama-style layers, optionally with q/k norm, MoE, sliding window; or GPT-2)."""
 
     vocab_size: int
     hidden_size: int
@@ -55,12 +55,23 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
+    qk_layernorm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    num_moe_experts: Optional[int] = None  # None -> a dense MLP in every layer; else a MoE MLP in every layer
+    moe_ffn_hidden_size: Optional[int] = None  # width of one expert (None -> ffn_hidden_size)
+    moe_router_topk: int = 2  # experts per token
+    moe_renormalize: bool = True  # top-k routing probabilities renormalised to sum 1 (Mixtral, norm_topk_prob)
+    sliding_window: Optional[int] = None  # a query attends to the last ``sliding_window`` positions (itself incl.)
+    sliding_window_layers: Optional[List[int]] = None  # 0-based layers that use the window; None -> every layer
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.sliding_window_layers is not None:
+            self.sliding_window_layers = sorted(int(i) for i in self.sliding_window_layers)
         self.validate()
 
     def validate(self) -> None:
@@ -83,6 +94,39 @@ class ModelConfig:
             rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _check(rt in ("linear", "llama3", "default"),
                    f"ModelConfig.rope_scaling.rope_type {rt!r} is not supported (linear, llama3)")
+        if self.num_moe_experts is not None:
+            e, k = self.num_moe_experts, self.moe_router_topk
+            _check(isinstance(e, int) and e >= 1, f"ModelConfig.num_moe_experts must be a positive int, got {e!r}")
+            _check(isinstance(k, int) and 1 <= k <= e,
+                   f"ModelConfig.moe_router_topk must be in [1, num_moe_experts={e}], got {k!r}")
+            _check(not (k == 1 and self.moe_renormalize),
+                   "ModelConfig.moe_router_topk=1 with moe_renormalize=True (every token's weight 1) is not supported "
+                   "by megatron-core's router (softmax before top-1 is required)")
+            _check(isinstance(self.moe_ffn_hidden_size, int) and self.moe_ffn_hidden_size > 0,
+                   f"ModelConfig.moe_ffn_hidden_size must be a positive int, got {self.moe_ffn_hidden_size!r}")
+            _check(self.activation == "swiglu" and not self.add_bias_linear,
+                   "ModelConfig.num_moe_experts needs activation='swiglu' and add_bias_linear=False")
+        if self.sliding_window is not None:
+            _check(isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                   f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_window_layers is not None:
+            _check(self.sliding_window is not None, "ModelConfig.sliding_window_layers is set without sliding_window")
+            bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
+            _check(not bad, f"ModelConfig.sliding_window_layers entries {bad} outside [0, {self.num_layers})")
+
+    def window_layers(self) -> List[int]:
+        """0-based layers that attend through the sliding window (empty without one)."""
+        if self.sliding_window is None:
+            return []
+        if self.sliding_window_layers is None:
+            return list(range(self.num_layers))
+        return list(self.sliding_window_layers)
+
+    def draft_config(self) -> "ModelConfig":
+        """The dense Llama-layer config EAGLE draft layers use: same attention shape, no q/k norm, no MoE, no
+        window (the EAGLE formats every engine reads are Llama layers)."""
+        return dataclasses.replace(self, qk_layernorm=False, num_moe_experts=None, moe_ffn_hidden_size=None,
+                                   sliding_window=None, sliding_window_layers=None)
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ConfigError if tensor-parallel size ``tp`` cannot shard this model."""
@@ -93,6 +137,9 @@ class ModelConfig:
                f"tensor parallel size {tp} does not divide num_query_groups={self.num_query_groups}")
         _check(self.ffn_hidden_size % tp == 0,
                f"tensor parallel size {tp} does not divide ffn_hidden_size={self.ffn_hidden_size}")
+        if self.num_moe_experts is not None:
+            _check(self.moe_ffn_hidden_size % tp == 0,
+                   f"tensor parallel size {tp} does not divide moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-JSON representation."""

@@ -133,14 +133,19 @@ def test_rope_scaling_changes_logits(tmp_path):
         assert (_hf_logits(scaled, x) - _hf_logits(plain, x)).abs().max() > 1e-3
 
 
-def test_mistral_sliding_window_limits_context(tmp_path, caplog):
-    ref_model = make_hf_model("mistral", tmp_path / "hf", sliding_window=16)
-    with caplog.at_level("WARNING"):
-        ours = load_hf(tmp_path / "hf")
-    assert "sliding_window=16" in caplog.text
-    assert ours.nemo_spec_config.max_position_embeddings == 16
-    x = _ids(s=16)
-    assert (_our_logits(ours, x) - _hf_logits(ref_model, x)).abs().max() < 1e-4
+def test_mistral_sliding_window_exact_beyond_window(tmp_path):
+    """Sliding-window attention (no longer a cap of the context): exact against transformers past the window."""
+    ref_model = make_hf_model("mistral", tmp_path / "hf", sliding_window=8)
+    ours = load_hf(tmp_path / "hf")
+    assert ours.nemo_spec_config.sliding_window == 8 and ours.nemo_spec_config.max_position_embeddings == 64
+    x = _ids(s=30)
+    ref = _hf_logits(ref_model, x)
+    assert (_our_logits(ours, x) - ref).abs().max() < 1e-4
+    full = make_hf_model("mistral", tmp_path / "full")  # same seed, no window: the window matters at this length
+    assert (_hf_logits(full, x) - ref).abs().max() > 1e-3
+    out = export_hf(ours, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["sliding_window"] == 8
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
 
 
 def test_sharded_safetensors_and_pytorch_bin(tmp_path):
@@ -253,17 +258,27 @@ def test_sliding_window_config_mapping():
     base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
     qwen = dict(base, architectures=["Qwen2ForCausalLM"], sliding_window=1024, max_window_layers=2)
-    assert hf_to_model_config(dict(qwen, use_sliding_window=False)).max_position_embeddings == 4096
-    assert hf_to_model_config(dict(qwen, use_sliding_window=True)).max_position_embeddings == 1024
-    assert hf_to_model_config(dict(qwen, layer_types=["full_attention"] * 4)).max_position_embeddings == 4096
-    assert hf_to_model_config(dict(qwen, layer_types=["full_attention", "sliding_attention"] * 2)
-                              ).max_position_embeddings == 1024
+
+    def window(d):
+        c = hf_to_model_config(d)
+        assert c.max_position_embeddings == 4096  # the window no longer caps the context
+        return c.sliding_window, c.sliding_window_layers
+
+    assert window(dict(qwen, use_sliding_window=False)) == (None, None)
+    assert window(dict(qwen, use_sliding_window=True)) == (1024, [2, 3])  # layers >= max_window_layers
+    assert window(dict(qwen, use_sliding_window=True, max_window_layers=0)) == (1024, None)  # every layer
+    assert window(dict(qwen, use_sliding_window=True, layer_types=["full_attention"] * 4)) == (None, None)
+    assert window(dict(qwen, use_sliding_window=True, layer_types=["full_attention", "sliding_attention"] * 2)
+                  ) == (1024, [1, 3])
+    # transformers nulls sliding_window without use_sliding_window, whatever layer_types says
+    assert window(dict(qwen, layer_types=["full_attention", "sliding_attention"] * 2)) == (None, None)
     mistral = dict(base, architectures=["MistralForCausalLM"])
-    assert hf_to_model_config(dict(mistral, sliding_window=None)).max_position_embeddings == 4096
-    assert hf_to_model_config(dict(mistral, sliding_window=8192)).max_position_embeddings == 4096
-    assert hf_to_model_config(dict(mistral, sliding_window=512)).max_position_embeddings == 512
+    assert window(dict(mistral, sliding_window=None)) == (None, None)
+    assert window(dict(mistral, sliding_window=512)) == (512, None)
     q = hf_to_model_config(qwen)
     assert q.add_qkv_bias and not q.add_bias_linear  # Qwen2 always has q/k/v biases
+    with pytest.raises(HFCheckpointError, match="layer_types"):
+        hf_to_model_config(dict(qwen, use_sliding_window=True, layer_types=["sliding_attention"]))
 
 
 def test_exported_config_reads_back_identically():

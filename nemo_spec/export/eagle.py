@@ -117,10 +117,6 @@ def _need(sd: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     return sd[key]
 
 
-def _heads(cfg: ModelConfig) -> Tuple[int, int, int]:
-    return cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
-
-
 # ------------------------------------------------------------------------------------------------ EAGLE-3
 ENGINE_TARGETS = ("vllm", "sglang", "trtllm", "reference")
 
@@ -178,6 +174,11 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
             return (f"TensorRT-LLM builds fc only for more than one captured layer (modeling_speculative.py:164-168,"
                     f" 337-338): with the single captured layer {aux} its draft skips this draft's fc")
     if engine == "reference":
+        from nemo_spec.checkpoint.families import family_for_export
+
+        why = reference.base_unsupported(family_for_export(cfg).architecture)
+        if why:
+            return why
         if spec.num_eagle_layers > 1:
             return "EaModel builds a single midlayer (eagle/model/cnets.py:530)"
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
@@ -201,14 +202,13 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     why = eagle3_unsupported(cfg, spec, engine)
     if why:
         raise ExportError(f"EAGLE-3 export for {engine}: {why}")
-    nh, ng, hd = _heads(cfg)
     n_layers, h = spec.num_eagle_layers, cfg.hidden_size
     aux = spec.resolved_aux_layers(cfg.num_layers)
     uniq = captured_layers(aux)
     out: Dict[str, torch.Tensor] = {"fc.weight": _fc_for_captured(_need(neutral, "fc.weight"), aux, h)}
     prefixes = _eagle3_prefixes(n_layers, engine)
     for i, dst in enumerate(prefixes):
-        layer = layer_to_hf(neutral, f"layers.{i}.", dst, nh, ng, hd, input_norm=True)
+        layer = layer_to_hf(neutral, f"layers.{i}.", dst, cfg, input_norm=True)
         if i > 0 and engine == "sglang":  # layers >= 1 normalise with hidden_norm there
             layer[dst + "hidden_norm.weight"] = layer.pop(dst + "input_layernorm.weight")
         elif i > 0 and engine == "trtllm":
@@ -271,7 +271,6 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                           cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
     ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``)."""
-    nh, ng, hd = _heads(cfg)
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
@@ -304,7 +303,7 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                                       f"columns): layer {i} is not a Llama layer of this draft")
                 sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
-        out.update(layer_from_hf(sd, src, f"layers.{i}.", nh, ng, hd, input_norm=True))
+        out.update(layer_from_hf(sd, src, f"layers.{i}.", cfg, input_norm=True))
     for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),
                      ("norm.weight", "final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
         if src not in tensors:
@@ -341,7 +340,6 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     check_llama_family(cfg, "eagle1")
     if engine not in EAGLE1_ARCHS:
         raise ExportError(f"EAGLE-1 export for {engine}: not supported (claimed by {sorted(EAGLE1_ARCHS)})")
-    nh, ng, hd = _heads(cfg)
     n_layers = spec.num_eagle_layers
     if "layers.0.input_layernorm.weight" in neutral:
         raise ExportError("this EAGLE-1 draft normalises the input of its first layer, which the EAGLE-1 format "
@@ -354,7 +352,7 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     out: Dict[str, torch.Tensor] = {"embed_tokens.weight": embedding, "fc.weight": _need(neutral, "fc.weight")}
     bias = neutral.get("fc.bias")
     for i in range(n_layers):
-        out.update(layer_to_hf(neutral, f"layers.{i}.", f"layers.{i}.", nh, ng, hd, input_norm=i > 0))
+        out.update(layer_to_hf(neutral, f"layers.{i}.", f"layers.{i}.", cfg, input_norm=i > 0))
     conf = {"architectures": [EAGLE1_ARCHS[engine]], **_llama_fields(cfg, n_layers)}
     qkv_bias = bool(cfg.add_qkv_bias)
     conf["attention_bias"] = qkv_bias
@@ -397,7 +395,6 @@ def eagle1_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, s
 def eagle1_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
                           cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """EAGLE-1 draft files of any engine layout (+ config.json) -> neutral draft tensors (embedding dropped)."""
-    nh, ng, hd = _heads(cfg)
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-1 draft lacks 'fc.weight'")
@@ -415,5 +412,5 @@ def eagle1_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     if not cfg.add_qkv_bias:
         sd = {k: v for k, v in sd.items() if not k.endswith("o_proj.bias")}
     for i in range(n_layers):
-        out.update(layer_from_hf(sd, f"layers.{i}.", f"layers.{i}.", nh, ng, hd, input_norm=i > 0))
+        out.update(layer_from_hf(sd, f"layers.{i}.", f"layers.{i}.", cfg, input_norm=i > 0))
     return out

@@ -1,11 +1,8 @@
-"""Shared pieces of the export formats: dtypes, Megatron <-> Hugging Face layer mapping, atomic directories.
+"""Shared pieces of the export formats: dtypes, draft-layer <-> Hugging Face mapping, atomic directories.
 
-Megatron-core keeps attention as one fused ``linear_qkv`` weight laid out per query group: for each of the
-``G`` groups, the ``H/G`` query heads of that group, then the group's key head, then its value head (each
-``head_dim`` rows). Hugging Face Llama layers keep ``q_proj`` [H*d, in], ``k_proj`` [G*d, in] and ``v_proj``
-[G*d, in] separately, heads in order. A gated MLP's ``linear_fc1`` is [gate; up] where HF has ``gate_proj``
-and ``up_proj``; ``linear_fc2`` is ``down_proj`` and ``linear_proj`` is ``o_proj``. The functions here convert
-full (already TP-gathered) tensors between the two layouts, exactly and invertibly.
+Draft layers are written as Hugging Face Llama decoder layers with the Llama family's own weight rules
+(:mod:`nemo_spec.checkpoint.families.llama`, fused per-query-group ``linear_qkv`` <-> ``q_proj``/``k_proj``/
+``v_proj``, ``linear_fc1`` = [gate; up]): there is one mapping in the tree, used by HF import/export and here.
 """
 from __future__ import annotations
 
@@ -20,7 +17,10 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
-from nemo_spec.checkpoint.hf import qkv_from_megatron, qkv_to_megatron
+from nemo_spec.checkpoint.families import (
+    DRAFT_LAYER, qkv_from_megatron, qkv_to_megatron, rules_to_hf, rules_to_megatron,
+)
+from nemo_spec.config import ModelConfig
 from nemo_spec.fsutil import publish_directory
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def hf_dtype_name(dtype: torch.dtype) -> str:
     return _HF_NAMES[dtype]
 
 
-# ----------------------------------------------------------------------------------------------- QKV / MLP
+# ----------------------------------------------------------------------------------------------- layers
 def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> Tuple[torch.Tensor, ...]:
     """Megatron fused per-group QKV weight/bias [(H+2G)*d, ...] -> (q [H*d, ...], k [G*d, ...], v [G*d, ...])."""
     rows = (num_heads + 2 * num_groups) * head_dim
@@ -58,71 +58,22 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     return qkv_to_megatron(q, k, v, num_heads, num_groups)
 
 
-def split_gated(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Megatron gated fc1 [2F, h] -> (gate_proj [F, h], up_proj [F, h])."""
-    gate, up = w.chunk(2, dim=0)
-    return gate.contiguous(), up.contiguous()
+def layer_to_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, cfg: ModelConfig,
+                input_norm: bool = True) -> Dict[str, torch.Tensor]:
+    """One Megatron draft TransformerLayer (keys under ``src``) -> HF Llama decoder-layer tensors under ``dst``,
+    by the Llama family's layer rules (:data:`nemo_spec.checkpoint.families.DRAFT_LAYER`).
 
-
-def merge_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`split_gated`."""
-    return torch.cat([gate, up], dim=0).contiguous()
-
-
-def layer_to_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, num_heads: int, num_groups: int,
-                head_dim: int, input_norm: bool = True) -> Dict[str, torch.Tensor]:
-    """One Megatron TransformerLayer (keys under ``src``) -> HF Llama decoder-layer tensors under ``dst``.
-
-    ``input_norm=False`` drops ``input_layernorm`` (callers that store it elsewhere or whose format lacks it).
+    ``input_norm=False`` drops ``input_layernorm`` (the EAGLE-1 format's layer 0 has none).
     """
-    def get(name: str) -> torch.Tensor:
-        key = src + name
-        if key not in sd:
-            raise ExportError(f"draft state dict lacks {key!r}")
-        return sd[key]
-
-    out: Dict[str, torch.Tensor] = {}
-    q, k, v = split_qkv(get("self_attention.linear_qkv.weight"), num_heads, num_groups, head_dim)
-    for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-        out[f"{dst}self_attn.{name}.weight"] = t
-    if src + "self_attention.linear_qkv.bias" in sd:
-        qb, kb, vb = split_qkv(sd[src + "self_attention.linear_qkv.bias"], num_heads, num_groups, head_dim)
-        for name, t in (("q_proj", qb), ("k_proj", kb), ("v_proj", vb)):
-            out[f"{dst}self_attn.{name}.bias"] = t
-    out[dst + "self_attn.o_proj.weight"] = get("self_attention.linear_proj.weight")
-    gate, up = split_gated(get("mlp.linear_fc1.weight"))
-    out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-    out[dst + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
-    out[dst + "post_attention_layernorm.weight"] = get("pre_mlp_layernorm.weight")
-    if input_norm:
-        out[dst + "input_layernorm.weight"] = get("input_layernorm.weight")
-    return out
+    return rules_to_hf(DRAFT_LAYER, sd, cfg.draft_config(), src, dst, skip_tags=() if input_norm else ("input_norm",),
+                       error=ExportError)
 
 
-def layer_from_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, num_heads: int, num_groups: int,
-                  head_dim: int, input_norm: bool = True) -> Dict[str, torch.Tensor]:
+def layer_from_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, cfg: ModelConfig,
+                  input_norm: bool = True) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`layer_to_hf`: HF decoder-layer tensors under ``src`` -> Megatron keys under ``dst``."""
-    def get(name: str) -> torch.Tensor:
-        key = src + name
-        if key not in sd:
-            raise ExportError(f"exported draft lacks tensor {key!r}")
-        return sd[key]
-
-    out: Dict[str, torch.Tensor] = {}
-    out[dst + "self_attention.linear_qkv.weight"] = merge_qkv(
-        get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight"),
-        num_heads, num_groups, head_dim)
-    if src + "self_attn.q_proj.bias" in sd:
-        out[dst + "self_attention.linear_qkv.bias"] = merge_qkv(
-            get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"), get("self_attn.v_proj.bias"),
-            num_heads, num_groups, head_dim)
-    out[dst + "self_attention.linear_proj.weight"] = get("self_attn.o_proj.weight")
-    out[dst + "mlp.linear_fc1.weight"] = merge_gated(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))
-    out[dst + "mlp.linear_fc2.weight"] = get("mlp.down_proj.weight")
-    out[dst + "pre_mlp_layernorm.weight"] = get("post_attention_layernorm.weight")
-    if input_norm:
-        out[dst + "input_layernorm.weight"] = get("input_layernorm.weight")
-    return out
+    return rules_to_megatron(DRAFT_LAYER, sd, cfg.draft_config(), src, dst,
+                             skip_tags=() if input_norm else ("input_norm",), error=ExportError)
 
 
 # ----------------------------------------------------------------------------------------------- files

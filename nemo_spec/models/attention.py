@@ -4,6 +4,11 @@ megatron-core's ``SelfAttention`` projects q/k/v and calls ``core_attention(q, k
 with whatever object the caller passed as ``attention_mask``. We pass an :class:`AttnContext` that
 carries explicit position ids, an arbitrary boolean mask (tree attention, padding) and, during
 generation, a :class:`KVCache` plus the cache slots the new keys/values are written to.
+
+Sliding-window layers (Mistral, Qwen2/Qwen3 ``layer_types``) restrict each query to keys whose *position* is
+within the window (``q_pos - k_pos < window``, as transformers' ``sliding_window_overlay``). The cache records
+the position of every slot, so the rule is exact in prefill, cached decode and tree verification (tree nodes sit
+at slots past the committed length but carry their own positions), and after the accepted path is compacted.
 """
 from __future__ import annotations
 
@@ -85,6 +90,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.starts = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # position held by each slot
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +122,14 @@ class KVCache:
         self.k[layer, rows, slots] = k.to(self.k.dtype)
         self.v[layer, rows, slots] = v.to(self.v.dtype)
 
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor, start: Optional[int] = None) -> None:
+        """Record the positions [b, q] of the entries written at ``slots`` [b, q] (all layers share them)."""
+        if start is not None:
+            self.pos[0, start:start + positions.shape[1]] = positions[0]
+            return
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        self.pos[rows, slots] = positions.to(self.pos.device)
+
     def keep(self, src_slots: torch.Tensor, num_kept: torch.Tensor) -> None:
         """Compact accepted entries: for each row copy ``src_slots[b, :num_kept[b]]`` to ``lengths[b]...``.
 
@@ -134,6 +148,7 @@ class KVCache:
         src = torch.where(valid, src_slots, dst)
         self.k[:, rows, dst] = self.k[:, rows, src]
         self.v[:, rows, dst] = self.v[:, rows, src]
+        self.pos[rows, dst] = self.pos[rows, src]
         self.lengths += num_kept
 
     def view(self, lo: int, hi: int) -> "KVCache":
@@ -141,6 +156,7 @@ class KVCache:
         c = KVCache.__new__(KVCache)
         c.k, c.v = self.k[:, lo:hi], self.v[:, lo:hi]
         c.lengths, c.starts = self.lengths[lo:hi], self.starts[lo:hi]
+        c.pos = self.pos[lo:hi]
         return c
 
     def swap_rows(self, i: int, j: int, used: Optional[int] = None) -> None:
@@ -152,6 +168,9 @@ class KVCache:
             tmp = buf[:, i, :u].clone()
             buf[:, i, :u] = buf[:, j, :u]
             buf[:, j, :u] = tmp
+        tmp = self.pos[i, :u].clone()  # the positions of the entries (sliding-window masks read them)
+        self.pos[i, :u] = self.pos[j, :u]
+        self.pos[j, :u] = tmp
         for t in (self.lengths, self.starts):
             tmp = t[i].clone()
             t[i] = t[j]
@@ -211,6 +230,24 @@ class AttnContext:
             self.rope_cache["write_start"] = start
         return self.rope_cache["write_start"]
 
+    def window_mask(self, window: int, base: Optional[torch.Tensor]) -> torch.Tensor:
+        """``base`` (SDPA mask [b, 1, q, kv] or None = all allowed) restricted to keys within ``window`` positions
+        of each query; keys are the cache slots ``[0, kv_len)`` with a cache, else the queries themselves.
+        Worked out once per forward and shared by every window layer."""
+        key = ("window", window)
+        if key not in self.rope_cache:
+            q_pos = self.position_ids
+            if self.cache is not None:
+                if "positions_written" not in self.rope_cache:
+                    self.cache.write_positions(self.write_slots, q_pos, self.write_start())
+                    self.rope_cache["positions_written"] = True
+                k_pos = self.cache.pos[:, : self.kv_len]
+            else:
+                k_pos = q_pos
+            near = (q_pos[:, :, None] - k_pos[:, None, :]) < window
+            self.rope_cache[key] = near[:, None] if base is None else base & near[:, None]
+        return self.rope_cache[key]
+
     def rope(self, inv_freq: torch.Tensor, key: Any = None) -> tuple:
         """cos/sin for this context's positions, computed once per forward and shared by all layers with the
         same table ``key`` (host values identifying the frequencies; default: the tensor itself)."""
@@ -219,6 +256,12 @@ class AttnContext:
         if cs is None:
             cs = self.rope_cache[key] = rope_cos_sin(self.position_ids, inv_freq)
         return cs
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[s, s] bool: key j within ``window`` positions of query i (i - j < window) for positions 0..s-1."""
+    idx = torch.arange(seq_len, device=device)
+    return (idx[:, None] - idx[None, :]) < window
 
 
 class SDPACoreAttention(MegatronModule):
@@ -236,6 +279,8 @@ class SDPACoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.use_rope = getattr(config, "nemo_rope", False)
+        layers = getattr(config, "nemo_window_layers", None) or ()
+        self.window: Optional[int] = config.nemo_sliding_window if layer_number in layers else None
         if self.use_rope:
             inv = rope_inv_freq(self.head_dim, config.nemo_rope_theta, config.nemo_rope_scaling)
             self.register_buffer("inv_freq", inv, persistent=False)
@@ -266,10 +311,20 @@ class SDPACoreAttention(MegatronModule):
             k = ctx.cache.k[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
             v = ctx.cache.v[layer, :, : ctx.kv_len].transpose(1, 2).to(q.dtype)
             mask = ctx.sdpa_mask()
+            if self.window is not None:
+                mask = ctx.window_mask(self.window, mask)
         elif ctx is not None and ctx.mask is not None:
             mask = ctx.mask[:, None]
+            if self.window is not None:
+                mask = ctx.window_mask(self.window, mask)
         elif isinstance(attention_mask, torch.Tensor):
             mask = ~attention_mask.bool()  # megatron convention: True = masked out
+            if self.window is not None:
+                mask = mask & sliding_window_mask(sq, self.window, q.device)
+        elif self.window is not None:
+            causal = torch.ones(sq, sq, dtype=torch.bool, device=q.device).tril()[None, None]
+            mask = ctx.window_mask(self.window, causal) if ctx is not None else \
+                causal & sliding_window_mask(sq, self.window, q.device)
         else:
             is_causal = True
         k, v, gqa = expand_kv_for_backward(q, k, v)

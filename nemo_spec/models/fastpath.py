@@ -12,8 +12,9 @@ with the same parameters and the same math* directly:
 and calls our own core attention (:class:`~nemo_spec.models.attention.SDPACoreAttention`: RoPE by
 position id, explicit masks, KV cache) exactly as megatron's ``SelfAttention`` does. It is used only
 when gradients are off (generation); training always goes through the modules' own ``forward``.
-Layers it does not cover (q/k layernorm, clamped GLU, TP wider than the KV groups, ...) fall back to the
-module forward, so results never depend on whether it applies. ``tests/test_models.py`` checks it against
+Per-head q/k norms (Qwen3 ``qk_layernorm``) are applied after the q/k/v split, before RoPE, as megatron's
+``SelfAttention.get_query_key_value_tensors`` does. Layers it does not cover (MoE MLPs, clamped GLU, TP wider than
+the KV groups, ...) fall back to the module forward, so results never depend on whether it applies. ``tests/test_models.py`` checks it against
 the module forward for the Llama and GPT-2 families, with caches, masks and at TP=2.
 """
 from __future__ import annotations
@@ -72,11 +73,16 @@ def row(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Apply a (torch) norm module without the module-call machinery; IdentityOp passes through."""
-    if isinstance(module, IdentityOp):
+def norm(module: Optional[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Apply a (torch) norm module without the module-call machinery; None and IdentityOp pass through."""
+    if module is None or isinstance(module, IdentityOp):
         return x
     return module.forward(x)
+
+
+def _plain_norm(module: Any) -> bool:
+    """None, IdentityOp or a torch RMSNorm/LayerNorm (what :func:`norm` can apply)."""
+    return module is None or isinstance(module, (IdentityOp, torch.nn.RMSNorm, torch.nn.LayerNorm))
 
 
 def _supported_attention(attn: torch.nn.Module) -> bool:
@@ -84,8 +90,8 @@ def _supported_attention(attn: torch.nn.Module) -> bool:
 
     cfg = attn.config
     return (isinstance(attn.core_attention, SDPACoreAttention)
-            and isinstance(getattr(attn, "q_layernorm", None) or IdentityOp(), IdentityOp)
-            and isinstance(getattr(attn, "k_layernorm", None) or IdentityOp(), IdentityOp)
+            and _plain_norm(getattr(attn, "q_layernorm", None))
+            and _plain_norm(getattr(attn, "k_layernorm", None))
             and cfg.num_query_groups >= parallel.tp_size()
             and not getattr(attn.linear_qkv, "skip_bias_add", False)
             and getattr(attn.linear_proj, "skip_bias_add", True)
@@ -121,7 +127,8 @@ def self_attention(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Te
     per = heads // groups
     qkv = column(attn.linear_qkv, x).view(s, b, groups, (per + 2) * hd)
     q, k, v = torch.split(qkv, [per * hd, hd, hd], dim=3)
-    q = q.reshape(s, b, heads, hd)
+    q = norm(getattr(attn, "q_layernorm", None), q.reshape(s, b, heads, hd))
+    k = norm(getattr(attn, "k_layernorm", None), k)
     out = attn.core_attention.forward(q, k, v, ctx)
     return row(attn.linear_proj, out)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,8 @@ class SpecTransformerConfig(TransformerConfig):
     nemo_rope: bool = False
     nemo_rope_theta: float = 10000.0
     nemo_rope_scaling: Optional[Dict[str, Any]] = None
+    nemo_sliding_window: Optional[int] = None  # window size of the layers in nemo_window_layers
+    nemo_window_layers: Optional[List[int]] = None  # 1-based layer numbers that attend through the window
 
 
 _TC_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -46,6 +48,16 @@ def transformer_config(cfg: ModelConfig, tp_size: int = 1, params_dtype: torch.d
     extra: Dict[str, Any] = {}
     if "cuda_graph_scope" in _TC_FIELDS:  # megatron's default "full" warns that it is deprecated; [] is the same
         extra["cuda_graph_scope"] = []
+    if cfg.num_moe_experts is not None:
+        extra.update(
+            num_moe_experts=cfg.num_moe_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            # renormalised top-k == softmax over the top-k logits (megatron's default); otherwise softmax over
+            # all experts first and keep the top-k probabilities as they are (Qwen3-MoE norm_topk_prob=false)
+            moe_router_pre_softmax=not cfg.moe_renormalize,
+            moe_token_dispatcher_type="allgather",  # alltoall creates a torch.cuda.Stream (CPU); exact either way
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+    window = cfg.window_layers()
     return SpecTransformerConfig(
         **extra,
         num_layers=num_layers if num_layers is not None else cfg.num_layers,
@@ -77,11 +89,35 @@ def transformer_config(cfg: ModelConfig, tp_size: int = 1, params_dtype: torch.d
         nemo_rope=cfg.position_embedding == "rope",
         nemo_rope_theta=cfg.rope_theta,
         nemo_rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        qk_layernorm=cfg.qk_layernorm,
+        nemo_sliding_window=cfg.sliding_window if window else None,
+        nemo_window_layers=[i + 1 for i in window] if window else None,
     )
 
 
-def layer_spec() -> ModuleSpec:
-    """Transformer layer spec: megatron SelfAttention/MLP/TP linears, our SDPA core attention, torch norms."""
+def moe_spec() -> ModuleSpec:
+    """megatron-core's MoE layer with SequentialMLP experts on our TP linears (router top-k, no shared expert)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                        linear_fc2=RowParallelLinear))
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=None))
+
+
+def layer_spec(cfg: Optional[ModelConfig] = None) -> ModuleSpec:
+    """Transformer layer spec: megatron SelfAttention/MLP/TP linears, our SDPA core attention, torch norms; with
+    ``cfg``, per-head q/k RMSNorm (``qk_layernorm``) and a MoE MLP (``num_moe_experts``) where it asks for them."""
+    spec = _dense_layer_spec()
+    if cfg is not None and cfg.qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = WrappedTorchNorm
+        spec.submodules.self_attention.submodules.k_layernorm = WrappedTorchNorm
+    if cfg is not None and cfg.num_moe_experts is not None:
+        spec.submodules.mlp = moe_spec()
+    return spec
+
+
+def _dense_layer_spec() -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

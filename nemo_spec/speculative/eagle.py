@@ -22,6 +22,8 @@ EAGLE-3 (vLLM / SGLang ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*`` incl. 
     d2t [Vd] (int64 buffer)                base_id = draft_id + d2t[draft_id]
 
 Draft layers are numbered from 1 inside the draft so they use their own KV cache (layer = layer_number - 1).
+They are dense Llama layers with the base's attention shape (``ModelConfig.draft_config``): no q/k norm, no
+experts, no sliding window, also on Qwen3 / MoE / sliding-window bases, as the EAGLE formats and engines have them.
 Token embeddings come from the frozen base embedding (not a draft parameter).
 """
 from __future__ import annotations
@@ -179,7 +181,9 @@ class EagleDraft(MegatronModule):
     def __init__(self, model_config: ModelConfig, spec_config: SpeculativeConfig, base: torch.nn.Module) -> None:
         p = next(base.parameters())
         tp = parallel.tp_size()
-        tcfg = transformer_config(model_config, tp, p.dtype, num_layers=spec_config.num_eagle_layers)
+        # draft layers are dense Llama layers whatever the base (q/k norm, MoE, sliding window): that is what the
+        # EAGLE formats hold and every engine builds (ModelConfig.draft_config)
+        tcfg = transformer_config(model_config.draft_config(), tp, p.dtype, num_layers=spec_config.num_eagle_layers)
         super().__init__(config=tcfg)
         self.algorithm = spec_config.algorithm
         h = model_config.hidden_size

@@ -76,7 +76,7 @@ class MedusaHeads(MegatronModule):
 
     def __init__(self, model_config: ModelConfig, spec_config: SpeculativeConfig, base: torch.nn.Module) -> None:
         p = next(base.parameters())
-        tcfg = transformer_config(model_config, parallel.tp_size(), p.dtype, num_layers=1)
+        tcfg = transformer_config(model_config.draft_config(), parallel.tp_size(), p.dtype, num_layers=1)
         super().__init__(config=tcfg)
 
         w = _base_output_weight(base).detach()

@@ -2,8 +2,16 @@
 
 What every engine computes for a Llama layer: RMSNorm, rotate-half RoPE (default rope only), grouped-query
 attention with repeated KV heads and a causal mask, SwiGLU MLP. A reader composes these the way its engine does;
-:func:`base_forward` runs an exported Hugging Face Llama base (``base/``) and returns the residual stream at every
+:func:`base_forward` runs an exported Hugging Face base (``base/``) and returns the residual stream at every
 layer boundary, from which each engine's aux-hidden-state capture rule picks its features.
+
+The base may be any Llama-style family the project exports: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3
+``q_norm``/``k_norm``, transformers modeling_qwen3.py ``Qwen3Attention.forward``), sliding-window layers
+(``kv_idx > q_idx - sliding_window``, transformers masking_utils.py ``sliding_window_overlay``; which layers slide
+follows each model's config: Mistral/Mixtral every layer, Qwen2/Qwen3 ``layer_types`` behind
+``use_sliding_window``, Qwen3-MoE every layer behind ``use_sliding_window``) and MoE MLPs (softmax router, top-k,
+renormalised for Mixtral and Qwen3-MoE ``norm_topk_prob``; transformers modeling_mixtral.py / modeling_qwen3_moe.py
+``*TopKRouter``). It reads only config.json and the tensors, never the project's family declarations.
 """
 from __future__ import annotations
 
@@ -69,8 +77,9 @@ def check_rope(conf: Mapping) -> float:
 
 
 def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapping, head_dim: int,
-              qkv_bias: bool = False, o_bias: bool = False) -> torch.Tensor:
-    """Causal GQA self-attention of ``x`` [b, s, in] with weights under prefix ``p`` (HF names)."""
+              qkv_bias: bool = False, o_bias: bool = False, window: Optional[int] = None) -> torch.Tensor:
+    """Causal GQA self-attention of ``x`` [b, s, in] with weights under prefix ``p`` (HF names); q/k RMSNorm per
+    head when the layer stores ``q_norm``/``k_norm``; keys limited to the last ``window`` positions when given."""
     b, s, _ = x.shape
     nh, ng = int(conf["num_attention_heads"]), int(conf["num_key_value_heads"])
 
@@ -78,14 +87,22 @@ def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapp
         y = x @ w[f"{p}self_attn.{name}.weight"].T
         if bias:
             y = y + w[f"{p}self_attn.{name}.bias"]
-        return y.view(b, s, n, head_dim).transpose(1, 2)
+        y = y.view(b, s, n, head_dim)
+        norm = f"{p}self_attn.{name[0]}_norm.weight"  # Qwen3: q_norm / k_norm on [.., head_dim] before RoPE
+        if name != "v_proj" and norm in w:
+            y = rms(y, w[norm], float(conf["rms_norm_eps"]))
+        return y.transpose(1, 2)
 
     theta = check_rope(conf)
     q, k, v = proj("q_proj", nh, qkv_bias), proj("k_proj", ng, qkv_bias), proj("v_proj", ng, qkv_bias)
     q, k = _rope(q, theta), _rope(k, theta)
     k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)
     att = (q @ k.transpose(-1, -2)) / head_dim ** 0.5
-    att = att.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()
+    if window is not None:
+        i = torch.arange(s)
+        allowed &= i[None, :] > i[:, None] - window  # masking_utils.py sliding_window_overlay
+    att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
     o = (att @ v).transpose(1, 2).reshape(b, s, nh * head_dim) @ w[f"{p}self_attn.o_proj.weight"].T
     return o + w[f"{p}self_attn.o_proj.bias"] if o_bias else o
 
@@ -94,6 +111,43 @@ def mlp(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str) -> torch.Tensor:
     """SwiGLU MLP with HF names under ``p``."""
     return (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ \
         w[p + "mlp.down_proj.weight"].T
+
+
+def moe(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapping) -> Optional[torch.Tensor]:
+    """The MoE MLP of a Mixtral / Qwen3-MoE layer under ``p`` (None when the layer's MLP is dense)."""
+    if p + "block_sparse_moe.gate.weight" in w:  # Mixtral: w1 gate, w3 up, w2 down; always renormalised
+        router, ex, names, renorm = p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.experts.", \
+            ("w1", "w3", "w2"), True
+    elif p + "mlp.gate.weight" in w:  # Qwen3-MoE: renormalised when norm_topk_prob
+        router, ex, names, renorm = p + "mlp.gate.weight", p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"), \
+            bool(conf.get("norm_topk_prob", False))
+    else:
+        return None
+    probs = torch.softmax((x @ w[router].T).float(), dim=-1)
+    top, idx = torch.topk(probs, int(conf["num_experts_per_tok"]), dim=-1)
+    if renorm:
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(w[router].shape[0]):
+        g, u, d = (w[f"{ex}{e}.{n}.weight"] for n in names)
+        y = (F.silu(x @ g.T) * (x @ u.T)) @ d.T
+        out = out + y * (top * (idx == e)).sum(-1, keepdim=True).to(y.dtype)
+    return out
+
+
+def window_layers(conf: Mapping) -> Dict[int, int]:
+    """0-based layer -> sliding-window size, from a base config.json as transformers reads it."""
+    n, sw = int(conf["num_hidden_layers"]), conf.get("sliding_window")
+    mt = conf.get("model_type")
+    if mt in ("qwen2", "qwen3", "qwen3_moe") and not conf.get("use_sliding_window", False):
+        sw = None  # configuration_qwen2.py / _qwen3.py / _qwen3_moe.py: sliding_window only with use_sliding_window
+    if sw is None:
+        return {}
+    if mt in ("qwen2", "qwen3"):
+        types = conf.get("layer_types") or ["sliding_attention" if i >= int(conf.get("max_window_layers", 0))
+                                            else "full_attention" for i in range(n)]
+        return {i: int(sw) for i, t in enumerate(types) if t == "sliding_attention"}
+    return {i: int(sw) for i in range(n)}
 
 
 def require(w: Mapping[str, torch.Tensor], names: List[str], engine: str, why: str) -> None:
@@ -125,18 +179,23 @@ class BaseRun:
 
 
 def base_forward(base_dir: Path, ids: torch.Tensor, tensors: Optional[Tensors] = None) -> BaseRun:
-    """Run the exported HF Llama base in ``base_dir`` on ``ids`` [b, s] (how transformers/vLLM/SGLang compute it)."""
+    """Run the exported HF base in ``base_dir`` on ``ids`` [b, s] (how transformers/vLLM/SGLang compute it)."""
     conf = read_config(base_dir)
     w = tensors if tensors is not None else read_dir(base_dir, ["model.safetensors"])
     eps = float(conf["rms_norm_eps"])
     hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
     bias = bool(conf.get("attention_bias", False))
+    windows = window_layers(conf)
     x = w["model.embed_tokens.weight"][ids]
     stream = [x]
     for i in range(int(conf["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        x = x + attention(rms(x, w[p + "input_layernorm.weight"], eps), w, p, conf, hd, qkv_bias=bias, o_bias=bias)
-        x = x + mlp(rms(x, w[p + "post_attention_layernorm.weight"], eps), w, p)
+        qkv_bias = bias or p + "self_attn.q_proj.bias" in w  # Qwen2: q/k/v biases without attention_bias
+        x = x + attention(rms(x, w[p + "input_layernorm.weight"], eps), w, p, conf, hd, qkv_bias=qkv_bias,
+                          o_bias=bias, window=windows.get(i))
+        h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        y = moe(h, w, p, conf)
+        x = x + (mlp(h, w, p) if y is None else y)
         stream.append(x)
     final = rms(x, w["model.norm.weight"], eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])

@@ -30,6 +30,26 @@ def capture_layers(num_layers: int) -> list:
     return sorted({i - 1 for i in (2, num_layers // 2, num_layers - 3) if 0 <= i < num_layers})
 
 
+#: base architectures EaModel.from_pretrained (ea_model.py) loads with their own KV model class; every other
+#: architecture falls through to its KV Mixtral class (modeling_mixtral_kv.py) and is run as a Mixtral
+BASE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
+
+
+def base_unsupported(architecture: str) -> Optional[str]:
+    """Why EaModel cannot run a base of ``architecture`` (None when it can)."""
+    if architecture in BASE_ARCHITECTURES:
+        return None
+    return (f"EaModel.from_pretrained (ea_model.py) loads {architecture} as its KV Mixtral: base architectures "
+            f"{list(BASE_ARCHITECTURES)} only")
+
+
+def _check_base(base: BaseRun) -> None:
+    arch = (base.config.get("architectures") or ["LlamaForCausalLM"])[0]
+    why = base_unsupported(arch)
+    if why:
+        raise Unsupported(f"reference: {why}")
+
+
 def _weights(draft_dir: Path) -> dict:
     # ea_model.py:124-136: pytorch_model.bin first, then model.safetensors
     return read_dir(draft_dir, ["pytorch_model.bin", "model.safetensors"])
@@ -37,6 +57,7 @@ def _weights(draft_dir: Path) -> dict:
 
 def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Mapping[str, Any]) -> torch.Tensor:
     """Draft logits [b, s-1, V] EaModel(use_eagle3=True) computes."""
+    _check_base(base)
     conf = read_config(draft_dir)
     w = _weights(draft_dir)
     h, nh = int(conf["hidden_size"]), int(conf["num_attention_heads"])
@@ -73,6 +94,7 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
 
 def eagle1_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Mapping[str, Any]) -> torch.Tensor:
     """EAGLE-1 logits [b, s-1, V] EaModel(use_eagle3=False) computes (cnets1.py Model, the base lm_head)."""
+    _check_base(base)
     conf = read_config(draft_dir)
     w = _weights(draft_dir)
     fc_bias = bool(conf.get("bias", True))  # ea_model.py:49-54: config "bias", default True; cnets1.py:524
