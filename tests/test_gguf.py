@@ -207,6 +207,9 @@ def _smollm2_file() -> Path | None:
 def test_smollm2_logits_and_tokenizer_match_transformers(tmp_path):
     f = _smollm2_file()
     cfg = read_checkpoint_config(f)["model"]
+    from nemo_spec.base.pretrained import smollm2_config
+
+    assert cfg == smollm2_config().to_dict()  # the training benchmark's --preset smollm2 is this file's shape
     assert (cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_query_groups"],
             cfg["vocab_size"], cfg["tie_word_embeddings"]) == (30, 576, 9, 3, 49152, True)
     from nemo_spec.data.chat import load_tokenizer
@@ -223,3 +226,13 @@ def test_smollm2_logits_and_tokenizer_match_transformers(tmp_path):
     ref = _hf(_hf_gguf(f), x)
     assert (ours - ref).abs().max().item() < 1e-3
     assert ours[0, -1].argmax().item() == ref[0, -1].argmax().item()
+
+
+def test_training_benchmark_smollm2_preset_is_smollm2s_shape():
+    from nemo_spec.base.pretrained import smollm2_config
+    from nemo_spec.training.benchmark import _parse
+
+    _, cfg = _parse(["--preset", "smollm2", "--seq", "64"])
+    ref = smollm2_config()
+    assert cfg.to_dict() == ref.to_dict()
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.vocab_size) == (30, 576, 3, 49152)
