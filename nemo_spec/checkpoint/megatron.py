@@ -8,7 +8,7 @@ Tensors are stored with their global shapes, so any saved TP size loads at any c
 
 :func:`load_model` also accepts Megatron-LM checkpoint directories (legacy ``mp_rank_XX`` files and
 ``torch_dist`` iteration directories, see :mod:`nemo_spec.checkpoint.legacy`) and Hugging Face
-directories (``nemo_spec.checkpoint.hf.load_hf``).
+directories (``nemo_spec.checkpoint.hf.load_hf``) and llama.cpp GGUF files (``nemo_spec.checkpoint.gguf``).
 """
 from __future__ import annotations
 
@@ -90,8 +90,24 @@ def _check_dir(path: PathLike) -> Path:
     return p
 
 
+def _gguf_file_format(p: Path) -> Optional[str]:
+    """'gguf' when ``p`` is a GGUF file; raise for a ``.gguf`` file without the GGUF magic; None otherwise."""
+    if not p.is_file():
+        return None
+    from nemo_spec.checkpoint import gguf
+
+    if gguf.is_gguf_file(p):
+        return "gguf"
+    if p.suffix.lower() == ".gguf":
+        gguf.check_gguf_file(p)  # raises GGUFError naming the bad magic
+    return None
+
+
 def detect_format(path: PathLike) -> str:
-    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'nemo2' or 'hf'."""
+    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'nemo2', 'hf' or
+    'gguf' (a llama.cpp GGUF file)."""
+    if _gguf_file_format(Path(path).expanduser()) is not None:
+        return "gguf"
     p = _check_dir(path)
     if (p / CONFIG_NAME).is_file():
         return FORMAT_NAME
@@ -162,6 +178,11 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.read_config(p)
+    if fmt == "gguf":
+        from nemo_spec.checkpoint import gguf
+
+        cfg, hf_cfg = gguf.read_gguf_config(p)
+        return {"format": "gguf", "model": cfg.to_dict(), "architectures": hf_cfg["architectures"]}
     hf = _import_hf()
     hf_cfg = json.loads((p / "config.json").read_text())
     cfg = hf.hf_to_model_config(hf_cfg, str(p / "config.json"))
@@ -201,6 +222,14 @@ def check_tp(cfg: ModelConfig, tp: int, source: str) -> None:
 def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
     """The directory holding the checkpoint's tokenizer files, or None."""
     p = Path(path).expanduser()
+    if p.is_file() and _gguf_file_format(p) == "gguf":
+        from nemo_spec.checkpoint import gguf
+
+        try:
+            return gguf.gguf_tokenizer_dir(p)
+        except gguf.GGUFError as e:
+            log.warning("%s", e)
+            return None
     if not p.is_dir():
         return None
     for cand in (p / TOKENIZER_SUBDIR, p / "context" / "nemo_tokenizer", p):
@@ -513,7 +542,8 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], bas
 
 def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                base_only: bool = False) -> torch.nn.Module:
-    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, NeMo 2 or Hugging Face checkpoint directory.
+    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, NeMo 2 or Hugging Face checkpoint directory,
+    or a llama.cpp GGUF file.
 
     The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
     when it differs); weights are resharded exactly from whatever TP size the checkpoint was saved with.
@@ -533,6 +563,14 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.load_nemo2(p, tp_size=tp_size, dtype=dtype)
+    if fmt == "gguf":
+        from nemo_spec.checkpoint import gguf
+
+        tp = _target_tp(tp_size)
+        cfg, _ = gguf.read_gguf_config(p)
+        check_tp(cfg, tp, str(p))
+        _ensure_parallel(tp)
+        return gguf.load_gguf(p, params_dtype=dtype or torch.float32)
     hf = _import_hf()
     tp = _target_tp(tp_size)
     cfg = read_checkpoint_config(p)

@@ -193,7 +193,8 @@ def read_conversations(path: str | os.PathLike | Sequence[str | os.PathLike], fm
     stats = stats if stats is not None else ReadStats()
     records: List[Dict[str, Any]] = []
     for p in map(Path, paths):
-        suffixes = TEXT_SUFFIXES if fmt == "text" else JSON_SUFFIXES
+        # auto: a directory may mix chat JSONL and text files (each file is read as what its suffix says)
+        suffixes = TEXT_SUFFIXES if fmt == "text" else JSON_SUFFIXES + TEXT_SUFFIXES if fmt == "auto" else JSON_SUFFIXES
         for file in _iter_files(p, suffixes):
             stats.files.append(str(file))
             if fmt == "text" or (fmt == "auto" and file.suffix not in JSON_SUFFIXES):

@@ -6,6 +6,7 @@ are timed alternately (base, draft, base, ...) so that load from other processes
 
     python -m nemo_spec.training.benchmark                     # EAGLE-3, full draft vocabulary, batch 4 x 256
     python -m nemo_spec.training.benchmark --draft_vocab 2048  # EAGLE-3 with a reduced draft vocabulary
+    python -m nemo_spec.training.benchmark --preset smollm2    # SmolLM2-135M's shape (random weights, no download)
 """
 from __future__ import annotations
 
@@ -210,7 +211,8 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
 def _parse(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, ModelConfig]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithm", default="eagle3", choices=["eagle1", "eagle3", "medusa"])
-    p.add_argument("--preset", default="small", help="built-in base shape to start from (conf/base/<preset>.yaml)")
+    p.add_argument("--preset", default="small", help="base shape to start from: a built-in preset "
+                   "(conf/base/<preset>.yaml) or a pretrained base's shape (smollm2)")
     for name in ("hidden", "layers", "heads", "groups", "ffn", "vocab"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's value")
     p.add_argument("--draft_vocab", type=int, default=None, help="EAGLE-3 draft vocabulary (default: base vocab)")
@@ -224,9 +226,13 @@ def _parse(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, ModelConf
     p.add_argument("--reference", action="store_true",
                    help="time the quadratic-memory reference formulation (explicit TTT masks, full base logits)")
     a = p.parse_args(argv)
+    from nemo_spec.base.pretrained import PRETRAINED_SHAPES
     from nemo_spec.base.presets import load_preset
 
-    d = load_preset(a.preset).model_config().to_dict()
+    if a.preset in PRETRAINED_SHAPES:
+        d = PRETRAINED_SHAPES[a.preset]().to_dict()
+    else:
+        d = load_preset(a.preset).model_config().to_dict()
     for name, key in (("hidden", "hidden_size"), ("layers", "num_layers"), ("heads", "num_attention_heads"),
                       ("groups", "num_query_groups"), ("ffn", "ffn_hidden_size"), ("vocab", "vocab_size")):
         if getattr(a, name) is not None:

@@ -1,0 +1,512 @@
+"""GGUF (llama.cpp) files: import into our megatron-core GPTModel, read with the ``gguf`` package (not transformers).
+
+A GGUF file holds the model config (``<arch>.*`` metadata), the tokenizer (``tokenizer.ggml.*``: vocabulary,
+merges, token types, special ids, ``tokenizer.chat_template``) and the tensors under llama.cpp's names,
+each in its own storage type. Import:
+
+- tensors are dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+  Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) to float32, then cast to the requested dtype;
+- llama.cpp names (``blk.N.attn_q.weight``, ``token_embd.weight`` ...) map to the Hugging Face Llama / Qwen2
+  names, and the Hugging Face -> megatron layout mapping of :mod:`nemo_spec.checkpoint.hf` does the rest;
+- for ``llama`` files, llama.cpp's converter permuted the rows of ``attn_q`` / ``attn_k`` from the rotate-half
+  RoPE layout to its interleaved one (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); that is undone here.
+  Qwen2 files use llama.cpp's NEOX RoPE and are stored unpermuted;
+- the ``gpt2``-model (byte-level BPE) tokenizer is rebuilt with ``tokenizers`` and written as a Hugging Face
+  tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with the file's chat template).
+
+Tensor parallelism: :func:`load_gguf` builds the model for the current parallel state and loads this rank's
+shard, like :func:`nemo_spec.checkpoint.hf.load_hf`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from nemo_spec import parallel
+from nemo_spec.checkpoint.megatron import CheckpointError
+from nemo_spec.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+GGUF_MAGIC = b"GGUF"
+#: GGUF ``general.architecture`` -> Hugging Face architecture it is imported as
+SUPPORTED_ARCHITECTURES: Dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: storage types dequantized on import (names of ``gguf.GGMLQuantizationType``)
+SUPPORTED_TYPES: Tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: token types of ``tokenizer.ggml.token_type`` (llama.cpp ``llama_token_type``)
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+class GGUFError(CheckpointError, ValueError):
+    """A GGUF file is unreadable, not a GGUF file, or uses an unsupported architecture / tensor type (names it)."""
+
+
+def _gguf_module() -> Any:
+    try:
+        import gguf
+    except ImportError as e:
+        raise GGUFError("reading GGUF files needs the 'gguf' package: pip install gguf==0.19.0 "
+                        "(or pip install -e .[gguf])") from e
+    return gguf
+
+
+def is_gguf_file(path: PathLike) -> bool:
+    """True if ``path`` is a regular file that starts with the GGUF magic bytes."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def check_gguf_file(path: PathLike) -> Path:
+    """Return ``path`` if it is a readable GGUF file; raise GGUFError naming the file and what is wrong."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise GGUFError(f"GGUF file {p} does not exist")
+    if not p.is_file():
+        raise GGUFError(f"{p} is not a file (pass the .gguf file itself)")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"{p}: cannot read ({e})") from e
+    if head != GGUF_MAGIC:
+        raise GGUFError(f"{p} is not a GGUF file: it starts with {head!r}, a GGUF file starts with {GGUF_MAGIC!r}")
+    return p
+
+
+def open_gguf(path: PathLike) -> Any:
+    """A ``gguf.GGUFReader`` (memory-mapped) for ``path``; raise GGUFError when the file is not valid GGUF."""
+    p = check_gguf_file(path)
+    gguf = _gguf_module()
+    try:
+        return gguf.GGUFReader(str(p), "r")
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/struct.error/... on corrupt files
+        raise GGUFError(f"{p}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+
+
+# --------------------------------------------------------------------------------------------------------------
+# metadata -> Hugging Face config dict -> ModelConfig
+# --------------------------------------------------------------------------------------------------------------
+
+def read_metadata(reader: Any, skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """Every metadata key of the file with its Python value (strings decoded, arrays as lists)."""
+    out: Dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception as e:  # noqa: BLE001
+            raise GGUFError(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF file'}: "
+                            f"cannot decode metadata key {key!r} ({e})") from e
+    return out
+
+
+def _arch(meta: Mapping[str, Any], source: str) -> str:
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{source}: metadata key 'general.architecture' is missing")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{source}: general.architecture={arch!r} is not supported; supported GGUF architectures: "
+                        f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _uniform(value: Any, key: str, source: str) -> Any:
+    """A per-layer array that must hold a single value (e.g. head_count_kv) -> that value."""
+    if isinstance(value, (list, tuple)):
+        if not value or any(v != value[0] for v in value):
+            raise GGUFError(f"{source}: metadata {key}={list(value)[:8]} varies per layer, which is not supported")
+        return value[0]
+    return value
+
+
+def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source: str) -> Dict[str, Any]:
+    """The Hugging Face config.json dict equivalent to a GGUF file's metadata (llama / qwen2)."""
+    arch = _arch(meta, source)
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return _uniform(meta[full], full, source)
+        if required:
+            raise GGUFError(f"{source}: required metadata key {full!r} is missing")
+        return default
+
+    names = set(tensor_names)
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 style "
+                        f"scaling) is not supported")
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    head_dim = int(get("attention.key_length", 0) or hidden // heads)
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{source}: {arch}.attention.value_length != key_length is not supported")
+    rot = get("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise GGUFError(f"{source}: {arch}.rope.dimension_count={rot} != head dim {head_dim} (partial rotary "
+                        f"embeddings) is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size")
+    if vocab is None:
+        if "token_embd.weight" not in names and not tokens:
+            raise GGUFError(f"{source}: cannot tell the vocabulary size ({arch}.vocab_size and tokenizer.ggml.tokens "
+                            f"are missing)")
+        vocab = len(tokens) if tokens else None
+    cfg: Dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
+        "hidden_size": hidden, "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "intermediate_size": int(get("feed_forward_length", required=True)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names, "vocab_size": int(vocab) if vocab is not None else None,
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise GGUFError(f"{source}: {arch}.rope.scaling.type={scaling!r} is not supported (none, linear)")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", required=True))}
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                         ("pad_token_id", "padding_token_id")):
+        v = meta.get(f"tokenizer.ggml.{theirs}")
+        if v is not None:
+            cfg[ours] = int(v)
+    return cfg
+
+
+def _model_config(hf_cfg: Dict[str, Any], source: str) -> ModelConfig:
+    from nemo_spec.checkpoint import hf
+
+    try:
+        return hf.hf_to_model_config(hf_cfg, source)
+    except (ConfigError, ValueError) as e:
+        raise GGUFError(f"{source}: {e}") from e
+
+
+def read_gguf_config(path: PathLike) -> Tuple[ModelConfig, Dict[str, Any]]:
+    """(ModelConfig, equivalent HF config dict) of a GGUF file, from its metadata only."""
+    reader = open_gguf(path)
+    source = str(Path(path))
+    meta = read_metadata(reader, skip=("tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"))
+    hf_cfg = gguf_hf_config(meta, [t.name for t in reader.tensors], source)
+    if hf_cfg["vocab_size"] is None:
+        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        hf_cfg["vocab_size"] = int(emb.shape[1])
+    return _model_config(hf_cfg, source), hf_cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tensors
+# --------------------------------------------------------------------------------------------------------------
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+#: llama.cpp tensors that carry nothing the model needs (precomputed RoPE tables)
+_IGNORED = ("attn_rot_embd",)
+
+
+def hf_name(gguf_name: str, source: str = "GGUF file") -> Optional[str]:
+    """The Hugging Face Llama/Qwen2 name of a llama.cpp tensor name (None for tensors that are skipped)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in _LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        if any(parts[2].startswith(x) for x in _IGNORED):
+            return None
+    raise GGUFError(f"{source}: tensor {gguf_name!r} is not a known llama.cpp tensor of a Llama/Qwen2 model")
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves) for ``n_head`` heads."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GGUFError(f"Q/K tensor with {rows} rows cannot hold {n_head} heads of even size")
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's Q/K row permutation (the inverse of :func:`unpermute_qk`; used to write test files)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, rows // n_head // 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
+
+
+def dequantize(tensor: Any, dtype: torch.dtype = torch.float32, source: str = "GGUF file") -> torch.Tensor:
+    """One ``gguf.ReaderTensor`` as a torch tensor of ``dtype`` in PyTorch [rows, cols] order."""
+    gguf = _gguf_module()
+    qtype = gguf.GGMLQuantizationType(int(tensor.tensor_type))
+    if qtype.name not in SUPPORTED_TYPES:
+        raise GGUFError(f"{source}: tensor {tensor.name!r} has storage type {qtype.name}, which is not supported "
+                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    shape = tuple(int(x) for x in reversed(list(tensor.shape)))  # ggml lists ne0 (the contiguous dim) first
+    try:
+        arr = gguf.quants.dequantize(tensor.data, qtype)
+    except Exception as e:  # noqa: BLE001
+        raise GGUFError(f"{source}: cannot dequantize tensor {tensor.name!r} ({qtype.name}): {e}") from e
+    arr = np.array(arr, dtype=np.float32, copy=True).reshape(shape)  # own the memory: the file is memory-mapped
+    return torch.from_numpy(arr).to(dtype)
+
+
+def load_gguf_state_dict(path: PathLike, hf_cfg: Optional[Dict[str, Any]] = None, dtype: torch.dtype = torch.float32,
+                         reader: Any = None) -> Dict[str, torch.Tensor]:
+    """A GGUF file's tensors dequantized to ``dtype`` under Hugging Face names (Q/K un-permuted for llama)."""
+    from tqdm import tqdm
+
+    source = str(Path(path))
+    reader = reader if reader is not None else open_gguf(path)
+    if hf_cfg is None:
+        _, hf_cfg = read_gguf_config(path)
+    permuted = hf_cfg["model_type"] == "llama"
+    heads, kv_heads = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
+    names = [t.name for t in reader.tensors]
+    dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+    if dup:
+        raise GGUFError(f"{source}: duplicate tensor names {dup[:4]}")
+    out: Dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {Path(path).name}", disable=None, leave=False):
+        name = hf_name(t.name, source)
+        if name is None:
+            continue
+        w = dequantize(t, torch.float32, source)
+        if permuted and ".attn_q." in t.name:
+            w = unpermute_qk(w, heads)
+        elif permuted and ".attn_k." in t.name:
+            w = unpermute_qk(w, kv_heads)
+        out[name] = w.to(dtype)
+    return out
+
+
+def load_gguf(path: PathLike, params_dtype: torch.dtype = torch.float32,
+              device: Optional[torch.device] = None) -> torch.nn.Module:
+    """Build our megatron-core GPTModel (for the current TP size) from a GGUF file and load its weights."""
+    from nemo_spec.checkpoint import hf
+    from nemo_spec.checkpoint import tp as tp_mod
+    from nemo_spec.models import build_gpt
+
+    p = check_gguf_file(path)
+    source = str(p)
+    reader = open_gguf(p)
+    cfg, hf_cfg = read_gguf_config(p)
+    tp_size = parallel.tp_size()
+    try:
+        cfg.check_tensor_parallel(tp_size)
+        if cfg.vocab_size % tp_size:
+            raise ConfigError(f"tensor parallel size {tp_size} does not divide vocab_size={cfg.vocab_size}")
+    except ConfigError as e:
+        raise GGUFError(f"{source}: {e}") from e
+    hf_sd = load_gguf_state_dict(p, hf_cfg, torch.float32, reader=reader)
+    try:
+        hf.check_hf_shapes({k: tuple(v.shape) for k, v in hf_sd.items()}, cfg, hf_cfg["model_type"], source)
+    except ValueError as e:
+        raise GGUFError(str(e)) from e
+    full = {k: v.to(params_dtype) for k, v in hf.megatron_state_dict_from_hf(hf_sd, cfg).items()}
+    del hf_sd
+    model = build_gpt(cfg, params_dtype=params_dtype, device=torch.device("cpu"))
+    tp_mod.load_full_state_dict(model, full, gated=cfg.activation == "swiglu")
+    if device is None:
+        from nemo_spec._cpu import default_device
+
+        device = default_device()
+    model = model.to(device)
+    log.info("loaded GGUF %s (%s, %d layers, hidden %d, vocab %d) at TP=%d", p, hf_cfg["architectures"][0],
+             cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tp_size)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------------------
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: ``tokenizer.ggml.pre`` -> (split regexes applied in order, as llama.cpp's ``llama-vocab.cpp`` does)
+PRE_TOKENIZER_SPLITS: Dict[str, Tuple[str, ...]] = {
+    "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "gpt-2": (_GPT2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, then GPT-2's split (SmolLM's tokenizer.json)
+    "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
+    "smaug-bpe": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "qwen2": (_QWEN2_SPLIT,),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+}
+
+
+def _tokenizer_metadata(reader: Any) -> Dict[str, Any]:
+    return {k: v for k, v in read_metadata(reader).items()
+            if k.startswith("tokenizer.") or k in ("general.architecture", "general.name")
+            or k.endswith(".context_length")}
+
+
+def build_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
+    """A ``tokenizers.Tokenizer`` for a GGUF ``gpt2``-model (byte-level BPE) vocabulary from its metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level "
+                        f"BPE); pass a Hugging Face tokenizer directory with --tokenizer instead")
+    tokens: List[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    merges_raw: List[str] = list(meta.get("tokenizer.ggml.merges") or [])
+    if not tokens:
+        raise GGUFError(f"{source}: metadata 'tokenizer.ggml.tokens' is missing or empty")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError(f"{source}: tokenizer.ggml.tokens holds duplicate tokens")
+    merges: List[Tuple[str, str]] = []
+    for m in merges_raw:
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise GGUFError(f"{source}: tokenizer.ggml.merges entry {m!r} is not two space-separated tokens")
+        merges.append((pair[0], pair[1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    splits = PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None:
+        log.warning("%s: tokenizer.ggml.pre=%r is not known; splitting text like GPT-2", source, pre)
+        splits = PRE_TOKENIZER_SPLITS["default"]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        b = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{b} $A", pair=f"{b} $A {b} $B",
+                                                           special_tokens=[(b, int(bos))])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    if tok.get_vocab_size() != len(tokens):
+        raise GGUFError(f"{source}: rebuilt tokenizer has {tok.get_vocab_size()} tokens, the file lists {len(tokens)}")
+    return tok
+
+
+def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
+    """Write a GGUF file's tokenizer + chat template as a Hugging Face tokenizer directory (atomically)."""
+    src = check_gguf_file(path)
+    out = Path(out_dir).expanduser()
+    meta = _tokenizer_metadata(open_gguf(src))
+    tok = build_tokenizer(meta, str(src))
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> Optional[str]:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": ty == TOKEN_CONTROL}
+             for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    arch = meta.get("general.architecture")
+    config: Dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False, "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
+        **specials,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                   encoding="utf-8")
+        (tmp / "special_tokens_map.json").write_text(
+            json.dumps({k: v for k, v in specials.items() if v is not None}, indent=2, ensure_ascii=False) + "\n",
+            encoding="utf-8")
+        if template:
+            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "tokenizer.json").is_file():  # not another process finishing the same directory first
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote the tokenizer of %s (%d tokens, pre-tokenizer %r%s) to %s", src.name, len(tokens),
+             meta.get("tokenizer.ggml.pre"), ", chat template" if template else "", out)
+    return out
+
+
+def gguf_tokenizer_dir(path: PathLike, cache_dir: Optional[PathLike] = None) -> Path:
+    """A Hugging Face tokenizer directory for a GGUF file, built once into the cache and reused."""
+    from nemo_spec.base.build import resolve_cache_dir
+
+    p = check_gguf_file(path).resolve()
+    st = p.stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    out = resolve_cache_dir(cache_dir) / "gguf_tokenizers" / f"{p.stem}-{key}"
+    if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    return write_tokenizer_dir(p, out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# conversion (scripts/convert_hf.py import)
+# --------------------------------------------------------------------------------------------------------------
+
+def convert_gguf_to_checkpoint(src: PathLike, out_dir: PathLike, params_dtype: torch.dtype = torch.float32,
+                               overwrite: bool = False) -> Path:
+    """Import a GGUF file (current TP size) and save it as our torch_dist checkpoint with its tokenizer (all ranks)."""
+    from nemo_spec.checkpoint import save_checkpoint
+
+    p = check_gguf_file(src).resolve()
+    model = load_gguf(p, params_dtype=params_dtype)
+    with tempfile.TemporaryDirectory(prefix="nemo_spec_gguf_tok-") as tmp:
+        tok: Optional[Path] = None
+        try:
+            tok = write_tokenizer_dir(p, Path(tmp) / "tokenizer")
+        except GGUFError as e:
+            log.warning("%s; the checkpoint is saved without a tokenizer", e)
+        return save_checkpoint(model, out_dir, tokenizer_dir=tok, overwrite=overwrite,
+                               extra={"converted_from_gguf": str(p)})

