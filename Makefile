@@ -16,7 +16,7 @@ $(STAMP): setup.py requirements-cpu.txt
 venv: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
 
 # NeMo 2 integration suite in its own environment (NeMo 2.7.3 pins lightning 2.4, numpy < 2, megatron-core 0.15)
 NEMO_VENV ?= .venv-nemo
