@@ -190,3 +190,91 @@ def test_checkpoint_roundtrip(tmp_path):
     for k in ("eagle_module.mask_hidden", "eagle_module.mask_embed", "eagle_module.d2t", "eagle_module.fc.weight"):
         assert torch.equal(a[k], b[k]), k
     assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+
+
+# ---- export: the speculators format through vLLM 0.33.0's reading ---------------------------------------------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from nemo_spec.export import export_model
+    from nemo_spec.export.peagle import export_peagle
+
+    m = _model(seed=4, draft_vocab_size=48, aux_layers=[3, 0, 1])
+    m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
+    d = tmp_path_factory.mktemp("pe_export")
+    export_model(m, d / "exp", fmt="base", dtype="fp32")
+    export_peagle(m, d / "exp" / "draft", num_speculative_tokens=3)
+    return m, d / "exp"
+
+
+def test_speculators_export_round_trips_through_the_vllm_reader(exported):
+    import json
+
+    from nemo_spec.export.engines import base_forward
+    from nemo_spec.export.engines.vllm_peagle import our_peagle_logits, peagle_logits
+
+    m, root = exported
+    conf = json.loads((root / "draft" / "config.json").read_text())
+    assert conf["speculators_model_type"] == "peagle" and conf["mask_token_id"] == 7
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM ids of base layers 0, 1, 3 (sorted)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    run = base_forward(root / "base", ids)
+    theirs, ours = peagle_logits(root / "draft", run, ids, 3), our_peagle_logits(m, ids, 3)
+    assert theirs.shape == ours.shape == (2, 8 + 2, 96)
+    fin = torch.isfinite(ours)
+    assert torch.equal(torch.isfinite(theirs), fin) and int(fin[0, 0].sum()) == 48
+    assert (theirs[fin] - ours[fin]).abs().max() < 1e-4
+
+
+def test_vllm_reader_catches_broken_exports(exported, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export.engines import EngineMismatch, base_forward
+    from nemo_spec.export.engines.vllm_peagle import our_peagle_logits, peagle_logits
+
+    m, root = exported
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    run = base_forward(root / "base", ids)
+    ours = our_peagle_logits(m, ids, 3)
+
+    def variant(edit_conf=None, edit_w=None):
+        d = tmp_path / f"v{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(root / "draft", d)
+        if edit_conf:
+            c = json.loads((d / "config.json").read_text())
+            edit_conf(c)
+            (d / "config.json").write_text(json.dumps(c))
+        if edit_w:
+            w = load_file(str(d / "model.safetensors"))
+            edit_w(w)
+            save_file(w, str(d / "model.safetensors"))
+        return d
+
+    with pytest.raises(EngineMismatch, match="mask_hidden not in the weights"):
+        peagle_logits(variant(edit_w=lambda w: w.pop("mask_hidden")), run, ids, 3)
+    with pytest.raises(EngineMismatch, match="no mask_token_id"):
+        peagle_logits(variant(edit_conf=lambda c: c.pop("mask_token_id")), run, ids, 3)
+    # a wrong mask id, unreordered mask_hidden blocks, or a normed residual load but compute different logits
+    for conf_edit, w_edit in ((lambda c: c.update(mask_token_id=8), None),
+                              (None, lambda w: w.update(mask_hidden=w["mask_hidden"].flip(-1).contiguous())),
+                              (lambda c: c.update(norm_before_residual=True), None)):
+        theirs = peagle_logits(variant(conf_edit, w_edit), run, ids, 3)
+        fin = torch.isfinite(ours)
+        assert (theirs[fin] - ours[fin]).abs().max() > 1e-3
+    # the depth-0 rows do not depend on the mask inputs: only the mask slots move
+    theirs = peagle_logits(variant(edit_w=lambda w: w.update(mask_hidden=torch.zeros_like(w["mask_hidden"]))),
+                           run, ids, 3)
+    fin = torch.isfinite(ours)
+    assert (theirs[:, :6][fin[:, :6]] - ours[:, :6][fin[:, :6]]).abs().max() < 1e-4
+    assert (theirs[:, 6:][fin[:, 6:]] - ours[:, 6:][fin[:, 6:]]).abs().max() > 1e-3
+
+
+def test_export_refuses_duplicate_aux_layers():
+    from nemo_spec.export.formats import ExportError
+    from nemo_spec.export.peagle import export_peagle
+
+    with pytest.raises(ExportError, match="distinct base layers"):
+        export_peagle(_model(perturb=False), "/nonexistent/never-written")
