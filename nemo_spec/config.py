@@ -151,7 +151,9 @@ class ModelConfig:
         return dataclass_from_dict(cls, d, source)
 
 
-ALGORITHMS = ("eagle1", "eagle3", "medusa")
+ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle")
+#: algorithms whose draft is an EAGLE-3-style head (aux-layer features, fc, own lm_head over a draft vocabulary)
+EAGLE3_LIKE = ("eagle3", "peagle")
 
 
 @dataclass
@@ -165,11 +167,15 @@ class SpeculativeConfig:
     draft_vocab_size: Optional[int] = None  # EAGLE-3 only; None -> base vocab
     aux_layers: Optional[List[int]] = None  # EAGLE-3 only; None -> default low/mid/high
     ttt_steps: int = 3  # EAGLE-3 training-time-test unroll depth
+    parallel_depth: int = 4  # P-EAGLE: tokens drafted per step in one forward (training depths)
+    mask_token_id: Optional[int] = None  # P-EAGLE: id of the mask placeholder; None -> pad id, else vocab_size - 1
+    cod_ratio: float = 0.8  # P-EAGLE COD sampling: depth d keeps max(r^d, r_min) of the anchors
+    cod_ratio_min: float = 0.2  # P-EAGLE COD sampling floor r_min
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
         """Raise ConfigError naming the invalid field; returns self."""
         _check(self.algorithm in ALGORITHMS, f"unknown speculative algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
-        if self.algorithm in ("eagle1", "eagle3"):
+        if self.algorithm in ("eagle1", "eagle3", "peagle"):
             _check(isinstance(self.num_eagle_layers, int) and self.num_eagle_layers > 0,
                    f"num_eagle_layers must be > 0 for {self.algorithm}, got {self.num_eagle_layers!r}")
         if self.algorithm == "medusa":
@@ -178,16 +184,37 @@ class SpeculativeConfig:
             _check(isinstance(self.num_medusa_layers, int) and self.num_medusa_layers > 0,
                    f"num_medusa_layers must be > 0, got {self.num_medusa_layers!r}")
         _check(isinstance(self.ttt_steps, int) and self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps!r}")
+        if self.algorithm == "peagle":
+            _check(isinstance(self.parallel_depth, int) and not isinstance(self.parallel_depth, bool)
+                   and self.parallel_depth >= 1, f"parallel_depth must be an int >= 1 for peagle, got {self.parallel_depth!r}")
+            for name in ("cod_ratio", "cod_ratio_min"):
+                v = getattr(self, name)
+                _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0,
+                       f"{name} must be in (0, 1], got {v!r}")
+            if self.mask_token_id is not None:
+                _check(isinstance(self.mask_token_id, int) and not isinstance(self.mask_token_id, bool)
+                       and self.mask_token_id >= 0, f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
+        else:
+            _check(self.mask_token_id is None, f"mask_token_id is only used by peagle, not {self.algorithm}")
         if model is not None:
             if self.draft_vocab_size is not None:
-                _check(self.algorithm == "eagle3", "draft_vocab_size is only used by eagle3")
+                _check(self.algorithm in EAGLE3_LIKE, f"draft_vocab_size is only used by {EAGLE3_LIKE}")
                 _check(0 < self.draft_vocab_size <= model.vocab_size,
                        f"draft_vocab_size={self.draft_vocab_size} must be in [1, base vocab_size={model.vocab_size}]")
             if self.aux_layers is not None:
                 _check(len(self.aux_layers) == 3, f"aux_layers must list 3 base layers, got {self.aux_layers}")
                 for i in self.aux_layers:
                     _check(0 <= i < model.num_layers, f"aux_layers entry {i} outside [0, {model.num_layers})")
+            if self.mask_token_id is not None:
+                _check(self.mask_token_id < model.vocab_size,
+                       f"mask_token_id={self.mask_token_id} outside the base vocabulary [0, {model.vocab_size})")
         return self
+
+    def resolved_mask_token_id(self, model: ModelConfig) -> int:
+        """P-EAGLE mask placeholder id: ``mask_token_id``, else the base's pad id, else its last vocabulary id."""
+        if self.mask_token_id is not None:
+            return int(self.mask_token_id)
+        return int(model.pad_token_id) if model.pad_token_id is not None else model.vocab_size - 1
 
     def resolved_aux_layers(self, num_layers: int) -> List[int]:
         """The three base layers (0-based) whose outputs feed EAGLE-3."""

@@ -36,10 +36,11 @@ def _noisy_copy(model, scale=0.002, seed=1):
 
 
 def _spec(model, alg):
-    kw = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3}}.get(alg, {})
+    kw = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
+          "peagle": {"draft_vocab_size": 64, "num_eagle_layers": 2, "parallel_depth": 3, "mask_token_id": 95}}.get(alg, {})
     torch.manual_seed(3)
     spec = SpeculativeTransform(algorithm=alg, **kw)(_clone(model))
-    if alg == "eagle3":
+    if alg in ("eagle3", "peagle"):
         spec.set_draft_vocab(torch.arange(96, 0, -1).float())
     return spec.eval()
 
@@ -80,7 +81,8 @@ def _joining(model, method, draft, ref, opts=None):
 
 
 CASES = [("prompt_lookup", None), ("draft_model", "random"), ("draft_model", "noisy"), ("eagle", "eagle1"),
-         ("eagle", "eagle3"), ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa")]
+         ("eagle", "eagle3"), ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
+         ("peagle", "peagle")]
 
 
 @pytest.mark.parametrize("method,kind", CASES)
@@ -265,7 +267,7 @@ def trained(llama):
     seqs = [p + o.tokens for p, o in zip(prompts, generate(m, prompts, SamplingParams(max_new_tokens=28)))]
     data = torch.tensor([s[:29] for s in seqs])
     specs = {}
-    for alg, steps in [("eagle1", 60), ("eagle3", 40), ("medusa", 60)]:
+    for alg, steps in [("eagle1", 60), ("eagle3", 40), ("medusa", 60), ("peagle", 40)]:
         spec = _spec(m, alg)
         opt = torch.optim.Adam(list(spec.draft_parameters()), lr=3e-3)
         spec.train()
@@ -279,7 +281,7 @@ def trained(llama):
 
 
 @pytest.mark.parametrize("method,kind", [("eagle", "eagle1"), ("eagle_tree", "eagle1"), ("eagle", "eagle3"),
-                                         ("eagle_tree", "eagle3"), ("medusa", "medusa")])
+                                         ("eagle_tree", "eagle3"), ("medusa", "medusa"), ("peagle", "peagle")])
 def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, method, kind):
     m, ref = llama
     outs = generate(trained[kind], PROMPTS, SamplingParams(max_new_tokens=10), method=method, options=OPTS)

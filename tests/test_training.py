@@ -115,7 +115,7 @@ def test_model_transform_applied_before_optimizer(tmp_path):
 
 
 # ---- each algorithm learns ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algorithm", ["eagle3", "eagle1", "medusa"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle1", "medusa", "peagle"])
 def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):
     model_path, data = base
     cfg = small_train_config(tmp_path / algorithm, algorithm, steps=24, val_check_interval=24,
@@ -124,6 +124,8 @@ def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):
     cfg.model_path, cfg.data.path, cfg.optim.lr = str(model_path), str(data), 1e-2
     if algorithm == "eagle3":
         cfg.spec.draft_vocab_size = 64
+    if algorithm == "peagle":  # P-EAGLE: 2 layers, 3 parallel depths, online (the Lightning recipe's default)
+        cfg.spec.num_eagle_layers, cfg.spec.parallel_depth = 2, 3
     res = train(cfg, save_final=algorithm == "eagle3")
     losses = _metric(cfg.run_dir, "train_loss")
     assert len(losses) == 24 and all(map(lambda x: x == x, losses))

@@ -44,7 +44,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from nemo_spec._mcore import ensure_metadata, sharded_state_dict_default
 
 from nemo_spec import parallel
-from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.config import EAGLE3_LIKE, ModelConfig, SpeculativeConfig
 from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
 from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
@@ -189,7 +189,7 @@ class EagleDraft(MegatronModule):
         h = model_config.hidden_size
         self.hidden_size = h
         self.num_layers = spec_config.num_eagle_layers
-        eagle3 = self.algorithm == "eagle3"
+        eagle3 = self.algorithm in EAGLE3_LIKE  # P-EAGLE (speculative/peagle.py) is an EAGLE-3 head plus mask inputs
         self.fc = torch.nn.Linear((3 if eagle3 else 2) * h, h, bias=not eagle3, dtype=p.dtype)
         layers = []
         for i in range(self.num_layers):
@@ -242,8 +242,8 @@ class EagleDraft(MegatronModule):
     @torch.no_grad()
     def set_draft_vocab(self, token_counts: torch.Tensor, base: torch.nn.Module, reinit_head: bool = True) -> None:
         """Keep the ``draft_vocab_size`` most frequent base tokens; rebuild d2t/t2d (and re-seed the head rows)."""
-        if self.algorithm != "eagle3":
-            raise ValueError(f"set_draft_vocab is only defined for eagle3, not {self.algorithm}")
+        if self.algorithm not in EAGLE3_LIKE:
+            raise ValueError(f"set_draft_vocab is only defined for {EAGLE3_LIKE}, not {self.algorithm}")
         counts = torch.as_tensor(token_counts).flatten().to(torch.float64)
         if counts.numel() != self.t2d.numel():
             raise ValueError(f"token_counts has {counts.numel()} entries, base vocab_size is {self.t2d.numel()}")
@@ -264,10 +264,7 @@ class EagleDraft(MegatronModule):
         """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd]); with
         ``head=False`` (EAGLE-3 training: :meth:`head_logits` row block by row block) the logits are None."""
         fast = fastpath.active()  # generation: the lean path through the same modules (see models/fastpath.py)
-        if fast and parallel.tp_size() == 1:
-            emb = F.embedding(input_ids.t(), base.embedding.word_embeddings.weight)
-        else:
-            emb = base.embedding.word_embeddings(input_ids.t())  # [s, b, h]
+        emb = self.embed(base, input_ids, fast)  # [s, b, h]
         feat = hidden.transpose(0, 1).to(emb.dtype)
         if self.algorithm == "eagle1":
             x = self.fc(torch.cat([emb, feat], dim=-1))
@@ -287,6 +284,12 @@ class EagleDraft(MegatronModule):
         if gather:
             logits = gather_vocab(logits)
         return x.transpose(0, 1), logits.transpose(0, 1)
+
+    def embed(self, base: torch.nn.Module, input_ids: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """Token embeddings [s, b, h] of ``input_ids`` [b, s] from the frozen base embedding."""
+        if fast and parallel.tp_size() == 1:
+            return F.embedding(input_ids.t(), base.embedding.word_embeddings.weight)
+        return base.embedding.word_embeddings(input_ids.t())
 
     def head_logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """EAGLE-3 draft head (final norm + lm_head over the draft vocabulary) on hidden rows [..., h]."""
@@ -324,7 +327,7 @@ class EagleDraft(MegatronModule):
             else:
                 out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
                                                       tp_group=_tp_group()))
-        if self.algorithm == "eagle3":
+        if self.algorithm in EAGLE3_LIKE:
             out.update(_replicated_buffer(self.d2t, f"{prefix}d2t", metadata))
         return out
 

@@ -10,7 +10,7 @@ from megatron.core.transformer.module import MegatronModule
 from nemo_spec._mcore import ensure_metadata
 
 from nemo_spec import parallel
-from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.config import EAGLE3_LIKE, ModelConfig, SpeculativeConfig
 from nemo_spec.models.attention import AttnContext, KVCache
 from nemo_spec.models import foreign
 from nemo_spec.models.gpt import GPTOutput, gpt_forward
@@ -44,17 +44,21 @@ class SpeculativeGPT(MegatronModule):
         self.gpt.eval()
         if spec_config.algorithm == "medusa":
             self.medusa_heads = MedusaHeads(model_config, spec_config, gpt)
+        elif spec_config.algorithm == "peagle":
+            from nemo_spec.speculative.peagle import PEagleDraft
+
+            self.eagle_module = PEagleDraft(model_config, spec_config, gpt)
         else:
             self.eagle_module = EagleDraft(model_config, spec_config, gpt)
         self._aux_layers = (spec_config.resolved_aux_layers(model_config.num_layers)
-                            if spec_config.algorithm == "eagle3" else [])
+                            if spec_config.algorithm in EAGLE3_LIKE else [])
         log.info("speculative draft %s attached: %d trainable parameters (base frozen, %d parameters)",
                  spec_config.algorithm, self.num_draft_parameters(), sum(p.numel() for p in gpt.parameters()))
 
     # ---- structure ------------------------------------------------------------------------------------------
     @property
     def algorithm(self) -> str:
-        """'eagle1', 'eagle3' or 'medusa'."""
+        """'eagle1', 'eagle3', 'peagle' or 'medusa'."""
         return self.spec_config.algorithm
 
     @property
@@ -69,8 +73,8 @@ class SpeculativeGPT(MegatronModule):
 
     @property
     def is_eagle(self) -> bool:
-        """Whether the draft is an EAGLE head (chain/tree drafting via draft_step)."""
-        return self.algorithm in ("eagle1", "eagle3")
+        """Whether the draft is an EAGLE head (drafting via draft_step: EAGLE-1, EAGLE-3, P-EAGLE)."""
+        return self.algorithm in ("eagle1", "eagle3", "peagle")
 
     def draft_parameters(self) -> Iterator[torch.nn.Parameter]:
         """The trainable draft parameters (no base parameters)."""
@@ -103,7 +107,7 @@ class SpeculativeGPT(MegatronModule):
 
     def base_features(self, out: GPTOutput) -> torch.Tensor:
         """Draft input features [b, s, F] from a base forward (EAGLE-3: cat of aux hiddens [b, s, 3h])."""
-        if self.algorithm != "eagle3":
+        if self.algorithm not in EAGLE3_LIKE:
             return out.hidden
         uniq = sorted(set(self._aux_layers))
         if len(out.aux_hidden) != len(uniq):
@@ -114,7 +118,7 @@ class SpeculativeGPT(MegatronModule):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Fused feature [b, s, h]: EAGLE-3 fc(3h -> h); identity for EAGLE-1 / Medusa."""
-        if self.algorithm != "eagle3":
+        if self.algorithm not in EAGLE3_LIKE:
             return features
         return self.eagle_module.fc(features.to(self.eagle_module.fc.weight.dtype))
 
@@ -136,12 +140,12 @@ class SpeculativeGPT(MegatronModule):
     @property
     def draft_vocab_size(self) -> int:
         """Size Vd of the draft's output vocabulary (base vocab unless EAGLE-3 with a reduced vocab)."""
-        return self.eagle_module.draft_vocab_size if self.algorithm == "eagle3" else self.model_config.vocab_size
+        return self.eagle_module.draft_vocab_size if self.algorithm in EAGLE3_LIKE else self.model_config.vocab_size
 
     @property
     def d2t(self) -> torch.Tensor:
         """Offsets [Vd] with base_id = draft_id + d2t[draft_id] (zeros unless EAGLE-3 with a reduced vocab)."""
-        if self.algorithm == "eagle3":
+        if self.algorithm in EAGLE3_LIKE:
             return self.eagle_module.d2t
         dev = next(self.gpt.parameters()).device
         return torch.zeros(self.model_config.vocab_size, dtype=torch.long, device=dev)
@@ -153,7 +157,7 @@ class SpeculativeGPT(MegatronModule):
 
     def draft_vocab_mask(self) -> torch.Tensor:
         """Bool [V]: base tokens present in the draft vocabulary."""
-        if self.algorithm == "eagle3":
+        if self.algorithm in EAGLE3_LIKE:
             return self.eagle_module.t2d
         dev = next(self.gpt.parameters()).device
         return torch.ones(self.model_config.vocab_size, dtype=torch.bool, device=dev)
@@ -165,15 +169,15 @@ class SpeculativeGPT(MegatronModule):
 
     def draft_to_base_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab token ids to base-vocab ids (identity unless EAGLE-3 with a reduced vocab)."""
-        if self.algorithm != "eagle3":
+        if self.algorithm not in EAGLE3_LIKE:
             return ids
         d2t = self.eagle_module.d2t
         return ids + d2t.to(ids.device)[ids]
 
     def set_draft_vocab(self, token_counts: torch.Tensor, reinit_head: bool = True) -> None:
         """EAGLE-3: choose the draft vocabulary as the most frequent tokens of ``token_counts`` [V] (call before training)."""
-        if self.algorithm != "eagle3":
-            raise TypeError(f"set_draft_vocab needs an EAGLE-3 draft, this model's draft is {self.algorithm}")
+        if self.algorithm not in EAGLE3_LIKE:
+            raise TypeError(f"set_draft_vocab needs an EAGLE-3 / P-EAGLE draft, this model's draft is {self.algorithm}")
         self.eagle_module.set_draft_vocab(token_counts, self.gpt, reinit_head=reinit_head)
 
     def new_draft_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
@@ -207,6 +211,10 @@ class SpeculativeGPT(MegatronModule):
         if self.algorithm == "eagle1":
             return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
                                         return_logits=return_logits, token_loss=token_loss)
+        if self.algorithm == "peagle":
+            from nemo_spec.speculative.peagle import peagle_losses
+
+            return peagle_losses(self, input_ids, loss_mask, out, return_logits=return_logits, token_loss=token_loss)
         if self.algorithm == "eagle3":
             return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
                                         decay=decay, return_logits=return_logits, token_loss=token_loss)
@@ -214,7 +222,7 @@ class SpeculativeGPT(MegatronModule):
                                     token_loss=token_loss)
 
     def _base_logits_needed(self) -> bool:
-        return self.algorithm != "eagle3" or losses.REFERENCE_FORMULATION
+        return self.algorithm not in EAGLE3_LIKE or losses.REFERENCE_FORMULATION
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,

@@ -4,6 +4,7 @@ Two spellings::
 
     SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)      # NeMo's (EAGLE defaults to eagle3)
     SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, draft_vocab_size=32000)
+    SpeculativeTransform(algorithm="peagle", num_eagle_layers=2, parallel_depth=4, mask_token_id=0)
 
 ``transform(model)`` accepts a GPTModel (returns a SpeculativeGPT), a SpeculativeGPT (idempotent no-op for the
 same draft; refuses a different one), or any module (e.g. a LightningModule) holding one of those as a
@@ -31,16 +32,22 @@ ARCH_FIELDS = {
     "eagle1": ("num_eagle_layers",),
     "eagle3": ("num_eagle_layers", "draft_vocab_size", "aux_layers"),
     "medusa": ("num_medusa_heads", "num_medusa_layers"),
+    "peagle": ("num_eagle_layers", "draft_vocab_size", "aux_layers", "mask_token_id"),
 }
+#: training/drafting settings a re-applied transform may change on an existing draft (not its shape)
+_SOFT_FIELDS = ("ttt_steps", "parallel_depth", "cod_ratio", "cod_ratio_min")
 
 
 def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
                     num_medusa_layers: Optional[int], draft_vocab_size: Optional[int],
-                    aux_layers: Optional[List[int]], ttt_steps: Optional[int]) -> SpeculativeConfig:
+                    aux_layers: Optional[List[int]], ttt_steps: Optional[int],
+                    peagle: Optional[dict] = None) -> SpeculativeConfig:
     """Build a SpeculativeConfig from either spelling, raising ConfigError on contradictions."""
+    peagle = {k: v for k, v in (peagle or {}).items() if v is not None}
     for name, v in (("num_eagle_layers", num_eagle_layers), ("num_medusa_heads", num_medusa_heads),
                     ("num_medusa_layers", num_medusa_layers), ("draft_vocab_size", draft_vocab_size),
-                    ("ttt_steps", ttt_steps)):
+                    ("ttt_steps", ttt_steps), ("parallel_depth", peagle.get("parallel_depth")),
+                    ("mask_token_id", peagle.get("mask_token_id"))):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"SpeculativeTransform: {name} must be a non-negative int, got {v!r}")
     eagle = num_eagle_layers or 0
@@ -70,11 +77,15 @@ def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], n
         if num_eagle_layers is not None and num_eagle_layers == 0:
             raise ConfigError(f"SpeculativeTransform: num_eagle_layers must be > 0 for {algorithm}, got 0")
         if algorithm == "eagle1" and aux_layers is not None:
-            raise ConfigError("SpeculativeTransform: aux_layers is only used by eagle3")
+            raise ConfigError("SpeculativeTransform: aux_layers is only used by eagle3 and peagle")
+    if peagle and algorithm != "peagle":
+        raise ConfigError(f"SpeculativeTransform: {sorted(peagle)} only apply to algorithm='peagle', not {algorithm}")
+    if peagle.get("parallel_depth") == 0:
+        raise ConfigError("SpeculativeTransform: parallel_depth must be > 0, got 0")
     if num_medusa_layers is not None and num_medusa_layers == 0:
         raise ConfigError("SpeculativeTransform: num_medusa_layers must be > 0, got 0")
-    if draft_vocab_size is not None and algorithm != "eagle3":
-        raise ConfigError(f"SpeculativeTransform: draft_vocab_size is only used by eagle3, not {algorithm}")
+    if draft_vocab_size is not None and algorithm not in ("eagle3", "peagle"):
+        raise ConfigError(f"SpeculativeTransform: draft_vocab_size is only used by eagle3 and peagle, not {algorithm}")
     if draft_vocab_size == 0:
         raise ConfigError("SpeculativeTransform: draft_vocab_size must be > 0, got 0")
     defaults = SpeculativeConfig()
@@ -86,6 +97,7 @@ def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], n
         draft_vocab_size=draft_vocab_size,
         aux_layers=list(aux_layers) if aux_layers is not None else None,
         ttt_steps=ttt_steps or defaults.ttt_steps,
+        **peagle,
     )
     return cfg.validate()
 
@@ -96,12 +108,16 @@ class SpeculativeTransform:
     def __init__(self, algorithm: Optional[str] = None, num_eagle_layers: Optional[int] = None,
                  num_medusa_heads: Optional[int] = None, num_medusa_layers: Optional[int] = None,
                  draft_vocab_size: Optional[int] = None, aux_layers: Optional[List[int]] = None,
-                 ttt_steps: Optional[int] = None, config: Optional[SpeculativeConfig] = None) -> None:
+                 ttt_steps: Optional[int] = None, config: Optional[SpeculativeConfig] = None,
+                 parallel_depth: Optional[int] = None, mask_token_id: Optional[int] = None,
+                 cod_ratio: Optional[float] = None, cod_ratio_min: Optional[float] = None) -> None:
+        peagle = dict(parallel_depth=parallel_depth, mask_token_id=mask_token_id, cod_ratio=cod_ratio,
+                      cod_ratio_min=cod_ratio_min)
         if config is not None:
             given = {k: v for k, v in dict(algorithm=algorithm, num_eagle_layers=num_eagle_layers,
                                            num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
                                            draft_vocab_size=draft_vocab_size, aux_layers=aux_layers,
-                                           ttt_steps=ttt_steps).items() if v is not None}
+                                           ttt_steps=ttt_steps, **peagle).items() if v is not None}
             if given:
                 raise ConfigError(f"SpeculativeTransform: pass either config= or keyword settings, not both "
                                   f"(got config and {sorted(given)})")
@@ -110,7 +126,7 @@ class SpeculativeTransform:
             self.config = copy.deepcopy(config).validate()
         else:
             self.config = _resolve_config(algorithm, num_eagle_layers, num_medusa_heads, num_medusa_layers,
-                                          draft_vocab_size, aux_layers, ttt_steps)
+                                          draft_vocab_size, aux_layers, ttt_steps, peagle)
 
     def __repr__(self) -> str:
         return f"SpeculativeTransform({self.config})"
@@ -119,11 +135,14 @@ class SpeculativeTransform:
         """Check this draft against the base architecture and TP size (before any heavy work); returns a copy."""
         cfg = copy.deepcopy(self.config).validate(model_config)
         model_config.check_tensor_parallel(tp_size)
-        if cfg.algorithm == "eagle3":
+        if cfg.algorithm in ("eagle3", "peagle"):
             vd = cfg.draft_vocab_size or model_config.vocab_size
             if vd % tp_size:
                 raise ConfigError(f"tensor parallel size {tp_size} does not divide draft_vocab_size={vd} "
                                   "(the EAGLE-3 head is vocab-parallel)")
+        if cfg.algorithm == "peagle" and cfg.mask_token_id is None:  # fixed at build time, stored with the draft
+            cfg = dataclasses.replace(cfg, mask_token_id=cfg.resolved_mask_token_id(model_config))
+            log.info("P-EAGLE mask_token_id not given: using %d", cfg.mask_token_id)
         return cfg
 
     def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -152,13 +171,15 @@ class SpeculativeTransform:
         new_checked = self.validate_for(model.model_config, parallel.tp_size())
         diff = [f for f in ARCH_FIELDS[old.algorithm] if getattr(old, f) != getattr(new_checked, f)
                 and not (f == "aux_layers" and new_checked.aux_layers is None)
-                and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)]
+                and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)
+                and not (f == "mask_token_id" and self.config.mask_token_id is None)]
         if diff:
             detail = ", ".join(f"{f}: {getattr(old, f)!r} -> {getattr(new_checked, f)!r}" for f in diff)
             raise ConfigError(f"model already carries a {old.algorithm} draft with a different shape ({detail})")
-        if old.ttt_steps != new_checked.ttt_steps:
-            log.info("speculative transform re-applied: ttt_steps %d -> %d", old.ttt_steps, new_checked.ttt_steps)
-            model.spec_config = dataclasses.replace(old, ttt_steps=new_checked.ttt_steps)
+        changed = {f: getattr(new_checked, f) for f in _SOFT_FIELDS if getattr(old, f) != getattr(new_checked, f)}
+        if changed:
+            log.info("speculative transform re-applied: %s", ", ".join(f"{f} -> {v}" for f, v in changed.items()))
+            model.spec_config = dataclasses.replace(old, **changed)
         return model
 
     def _transform_gpt(self, gpt: GPTModel) -> SpeculativeGPT:

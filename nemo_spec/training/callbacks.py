@@ -17,7 +17,8 @@ def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth:
     from nemo_spec.inference import SamplingParams, generate
 
     if method is None:
-        method = "medusa" if getattr(model, "algorithm", None) == "medusa" else "eagle"
+        alg = getattr(model, "algorithm", None)
+        method = {"medusa": "medusa", "peagle": "peagle"}.get(alg, "eagle")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     options = {"num_draft_tokens": depth, "depth": depth, "ignore_eos": True}
     if method == "medusa":

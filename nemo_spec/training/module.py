@@ -115,7 +115,7 @@ class SpeculativeLightningModule(pl.LightningModule):
             model = build_gpt(self.model_config, params_dtype=self.params_dtype)
         if self.model_transform is not None:
             model = self.model_transform(model)
-        if self.draft_vocab_counts is not None and getattr(model, "algorithm", None) == "eagle3":
+        if self.draft_vocab_counts is not None and getattr(model, "algorithm", None) in ("eagle3", "peagle"):
             counts = self.draft_vocab_counts
             if callable(counts):
                 counts = counts(model.model_config.vocab_size)

@@ -176,7 +176,7 @@ def base_output_from_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor
     hidden = batch["base_hidden"]
     w = next(gpt.parameters())
     logits = None
-    if getattr(model, "algorithm", None) != "eagle3" or losses.REFERENCE_FORMULATION:
+    if getattr(model, "algorithm", None) not in ("eagle3", "peagle") or losses.REFERENCE_FORMULATION:
         with torch.no_grad():
             logits = gather_vocab(output_logits(gpt, hidden.to(w.dtype).transpose(0, 1).contiguous())
                                   ).transpose(0, 1)

@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     # The transform is built here and applied inside configure_model (before the optimizer).
     transform = None if cfg.train_base else SpeculativeTransform(config=cfg.spec)
     counts = None
-    if transform is not None and cfg.spec.algorithm == "eagle3" and cfg.spec.draft_vocab_size is not None:
+    if transform is not None and cfg.spec.algorithm in ("eagle3", "peagle") and cfg.spec.draft_vocab_size is not None:
         (online_dm or datamodule).setup()
         train_set = (online_dm or datamodule).train_set
         counts = lambda vocab_size: token_counts(train_set, vocab_size)  # noqa: E731

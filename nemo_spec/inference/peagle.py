@@ -1,0 +1,195 @@
+"""P-EAGLE proposer: K draft tokens per step from ONE draft forward (parallel drafting, vLLM's layout).
+
+Per slot the draft KV cache holds the committed pairs (f_t, x_{t+1}) of EAGLE. The pairs a step still owes the
+draft (the accepted path of the last verification, whose last pair carries the bonus token; after prefill the
+prompt's last pair with the first generated token) are kept *pending* and run in the next step's single forward,
+followed by K-1 mask slots (feature fc(mask_hidden), token mask_token_id) at positions anchor+1..anchor+K-1, as
+vLLM 0.33.0 lays them out (v1/spec_decode/utils.py:490-536). The forward is causal over the block; the bonus
+pair's output gives draft token 1, mask slot d gives token d+1. The pairs become committed, the mask slots stay
+uncommitted (the next block overwrites them).
+
+Each drafted token is drawn from its own distribution q_d (which does not depend on the tokens drafted before
+it); verification by the shared rejection rule is lossless for any such q (speculative sampling needs only
+that token d was drawn from the q_d it reports).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nemo_spec.models import model_config
+from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
+from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.speculative import (_SpecModelProposer, _chain_block, _chain_levels, _choose,
+                                             _level_index, _opt_int, _stack_q, _swap_rows)
+from nemo_spec.inference.transfer import tensor
+
+log = logging.getLogger(__name__)
+
+
+class PEagleProposer(_SpecModelProposer):
+    """Parallel drafting with a P-EAGLE draft: a chain of up to ``num_draft_tokens`` tokens per forward."""
+
+    name = "peagle"
+
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
+        super().__init__(model, ("peagle",))
+        draft = self.spec.eagle_module
+        trained = int(self.spec.spec_config.parallel_depth)
+        self.depth = _opt_int(options, "num_draft_tokens", trained)
+        if self.depth > trained:
+            log.warning("peagle: num_draft_tokens=%d exceeds the %d depths the draft was trained for; the deeper "
+                        "slots are untrained (output stays exact, acceptance drops)", self.depth, trained)
+        self.lookahead = self.depth
+        self.extra_slots = self.depth + 2  # pending pairs (<= depth + 1) and the mask slots past the committed end
+        self.mask_token_id = int(draft.mask_token_id)
+        vd = int(self.spec.d2t.numel())
+        self.d2t_ids = self.spec.draft_to_base_ids(torch.arange(vd, device=self.spec.d2t.device)).long()
+        self.V = model_config(self.spec).vocab_size
+        self.max_pos = model_config(self.spec).max_position_embeddings
+        self.pend_feat: Optional[torch.Tensor] = None
+        self.pend_tok: Optional[torch.Tensor] = None
+        self.pend_n: List[int] = []
+        self._step_depth = 0
+
+    @property
+    def levels(self) -> List[int]:
+        """0 .. num_draft_tokens draft tokens (every level costs one draft forward)."""
+        return _chain_levels(self.depth)
+
+    def draft_forwards(self, level: int) -> int:
+        """One forward per step, whatever the level (level 0 still catches the draft up)."""
+        return 1
+
+    def _features(self, out) -> torch.Tensor:
+        return self.spec.fuse(self.spec.base_features(out))
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+    def setup(self, sess: Any) -> None:
+        """The draft KV cache and the per-slot pending pairs."""
+        self.cache = sess.engine.cache(("peagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.slots = sess.slots
+        self.pend_feat = self.pend_tok = None
+        self.pend_n = [0] * sess.slots
+
+    def _ensure_pending(self, h: int, dtype: torch.dtype, dev: torch.device) -> None:
+        if self.pend_feat is None:
+            self.pend_feat = torch.zeros(self.slots, self.depth + 1, h, dtype=dtype, device=dev)
+            self.pend_tok = torch.zeros(self.slots, self.depth + 1, dtype=torch.long, device=dev)
+
+    def admit(self, sess: Any, slot: int, row: Any) -> None:
+        """Empty the slot's draft cache row and pending pairs."""
+        self.cache.lengths[slot] = 0
+        self.cache.starts[slot] = 0
+        self.pend_n[slot] = 0
+
+    def release(self, sess: Any, slot: int, row: Any) -> None:
+        """The slot's pending pairs are dropped with its row."""
+        self.pend_n[slot] = 0
+
+    def swap(self, i: int, j: int, used: int) -> None:
+        """Exchange the two slots' draft cache rows and pending pairs."""
+        self.cache.swap_rows(i, j, used + self.extra_slots)
+        _swap_rows(self.pend_feat, i, j)
+        _swap_rows(self.pend_tok, i, j)
+        self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
+
+    # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
+    def prefill(self, sess: Any, ch: PrefillChunk) -> None:
+        """Draft prefill over the chunk's pairs; a completed prompt's last pair (with the first generated token)
+        is kept pending: it anchors the first drafted block."""
+        feats = self._features(ch.out)
+        dev = feats.device
+        self._ensure_pending(feats.shape[-1], feats.dtype, dev)
+        m = ch.hi - ch.lo
+        final_h = [bool(f) and c > 0 for f, c in zip(ch.final, ch.counts)]
+        run = [c - int(f) for c, f in zip(ch.counts, final_h)]
+        n = ch.tokens.shape[1]
+        valid = torch.arange(n, device=dev)[None] < tensor(run, dev)[:, None]
+        view = self.cache.view(ch.lo, ch.hi)
+        if max(run) > 0:
+            ctx = _chain_block(view, ch.next_ids, valid, self.max_pos, max_length=max(ch.before), padded=True)
+            self.spec.draft_step(ch.next_ids, feats, ctx, head=False)
+            view.lengths += tensor(run, dev)
+        for i in range(m):
+            if final_h[i]:
+                s = ch.lo + i
+                last = ch.counts[i] - 1
+                self.pend_feat[s, 0] = feats[i, last]
+                self.pend_tok[s, 0] = ch.next_ids[i, last]
+                self.pend_n[s] = 1
+        for r in ch.rows:
+            if r is not None:
+                r.draft_forwards += 1
+
+    def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
+        """The accepted path's base features paired with the emitted tokens become the rows' pending pairs."""
+        feats = self._features(res.out)
+        b = st.b
+        dev = feats.device
+        K = max(len(p) for p in res.paths)
+        rows = torch.arange(b, device=dev)[:, None]
+        self.pend_feat[:b, :K] = feats[rows, res.path[:, :K]]
+        for r in range(b):
+            em = res.emitted[r]
+            self.pend_tok[r, :len(em)] = tensor(em, dev)
+            self.pend_n[r] = len(res.paths[r])
+
+    # ---- the one forward ---------------------------------------------------------------------------------------
+    def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
+        """Run the pending pairs plus K-1 mask slots in one draft forward; draft K tokens as a chain."""
+        dev = sess.device
+        b = st.b
+        k = self.levels[_level_index(self.levels, level)]
+        self._step_depth = k
+        n_pend = self.pend_n[:b]
+        masks = max(k - 1, 0)
+        lens = [p + masks for p in n_pend]
+        width = max(lens)
+        if width == 0:
+            return DraftTree.empty(b, dev)
+        draft = self.spec.eagle_module
+        idx = torch.arange(width, device=dev)[None]
+        npend = tensor(n_pend, dev)[:, None]
+        valid = idx < tensor(lens, dev)[:, None]
+        is_pair = idx < npend
+        wp = min(width, self.depth + 1)
+        tok = torch.full((b, width), self.mask_token_id, dtype=torch.long, device=dev)
+        tok[:, :wp] = torch.where(is_pair[:, :wp], self.pend_tok[:b, :wp], tok[:, :wp])
+        mf = draft.mask_feature().to(self.pend_feat.dtype)
+        feat = mf[None, None].expand(b, width, -1).clone()
+        feat[:, :wp] = torch.where(is_pair[:, :wp, None], self.pend_feat[:b, :wp], feat[:, :wp])
+        view = self.cache.view(0, b)
+        ctx = _chain_block(view, tok, valid, self.max_pos,
+                           max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
+        _, logits = self.spec.draft_step(tok, feat, ctx, head=k > 0)
+        view.lengths += npend[:, 0]
+        for r in range(b):
+            self.pend_n[r] = 0
+        st.count_draft(1)
+        if k == 0:
+            return DraftTree.empty(b, dev)
+        rows = torch.arange(b, device=dev)[:, None]
+        at = (npend - 1).clamp(min=0) + torch.arange(k, device=dev)[None]  # [b, k]: bonus pair, then masks
+        lg = logits[rows, at]  # [b, k, Vd]
+        greedy = [p.greedy for p in st.params]
+        drafts, qs = [], []
+        for d in range(k):
+            t, q = _choose(st, lg[:, d], greedy)
+            drafts.append(self.d2t_ids[t])
+            qs.append(None if q is None else self._to_base(q))
+        tokens = torch.stack(drafts, 1)
+        return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=_stack_q(qs))
+
+    def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
+        out = torch.zeros(*q_draft.shape[:-1], self.V, dtype=q_draft.dtype, device=q_draft.device)
+        return out.index_add_(-1, self.d2t_ids.to(q_draft.device), q_draft)
+
+    def check_row(self, prompt, sp) -> None:
+        """Any row the target serves."""
+        if not prompt:
+            raise SamplingError("peagle: empty prompt")

@@ -1,0 +1,280 @@
+"""P-EAGLE: configuration, COD sampling and its mask, training == one-forward drafting, loss falls, checkpoints."""
+import pytest
+import torch
+
+from nemo_spec.config import ConfigError, SpeculativeConfig
+from nemo_spec.models import AttnContext, build_gpt
+from nemo_spec.speculative import SpeculativeTransform
+from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, cod_sample, flatten_cod,
+                                          peagle_attention_mask)
+from tests.helpers import tiny_llama
+
+torch.set_num_threads(1)
+
+
+def _model(seed=0, perturb=True, **kw):
+    torch.manual_seed(seed)
+    base = build_gpt(tiny_llama(num_layers=4, init_method_std=0.1))
+    args = dict(algorithm="peagle", num_eagle_layers=2, parallel_depth=3, mask_token_id=7)
+    args.update(kw)
+    m = SpeculativeTransform(**args)(base)
+    if perturb:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in m.draft_parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+def test_transform_validates_peagle_settings():
+    m = _model(perturb=False)
+    assert isinstance(m.eagle_module, PEagleDraft) and m.is_eagle and m.aux_layers == [1, 1, 0]
+    assert m.spec_config.mask_token_id == 7 and m.eagle_module.mask_hidden.shape == (1, 1, 3 * 64)
+    assert torch.equal(m.eagle_module.mask_embed, m.gpt.embedding.word_embeddings.weight[7])
+    with pytest.raises(ConfigError, match="parallel_depth must be > 0"):
+        SpeculativeTransform(algorithm="peagle", parallel_depth=0)
+    with pytest.raises(ConfigError, match="only apply to algorithm='peagle'"):
+        SpeculativeTransform(algorithm="eagle3", mask_token_id=3)
+    with pytest.raises(ConfigError, match="cod_ratio must be in"):
+        SpeculativeTransform(algorithm="peagle", cod_ratio=1.5)
+    with pytest.raises(ConfigError, match="mask_token_id=500 outside the base vocabulary"):
+        SpeculativeTransform(algorithm="peagle", mask_token_id=500)(build_gpt(tiny_llama()))
+    with pytest.raises(ConfigError, match="mask_token_id is only used by peagle"):
+        SpeculativeConfig(algorithm="eagle3", mask_token_id=1).validate()
+    # default mask id: the pad id, else the last vocabulary id; fixed in the draft's config
+    assert SpeculativeTransform(algorithm="peagle")(build_gpt(tiny_llama())).spec_config.mask_token_id == 95
+    assert SpeculativeTransform(algorithm="peagle")(build_gpt(tiny_llama(pad_token_id=3))).spec_config.mask_token_id == 3
+    # re-applying: same shape is a no-op (depth may change), another mask id is refused
+    assert SpeculativeTransform(algorithm="peagle", num_eagle_layers=2, parallel_depth=5)(m) is m
+    assert m.spec_config.parallel_depth == 5 and m.spec_config.mask_token_id == 7
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        SpeculativeTransform(algorithm="peagle", num_eagle_layers=2, mask_token_id=8)(m)
+
+
+def test_hydra_spec_group_composes():
+    from nemo_spec.training.cli import compose, typed_config
+
+    tc, _ = typed_config(compose(["model_path=/m", "spec=peagle", "data.path=/d", "spec.parallel_depth=3"]))
+    assert tc.spec.algorithm == "peagle" and tc.spec.parallel_depth == 3 and tc.spec.num_eagle_layers == 2
+
+
+# ---- COD sampling and the mask ----------------------------------------------------------------------------------
+def test_cod_sampling_keeps_nested_chains_with_targets():
+    s, D, r, rmin = 60, 4, 0.7, 0.2
+    g = torch.Generator().manual_seed(0)
+    loss_mask = torch.rand(1, s, generator=g) > 0.2
+    anchor, depth, present = flatten_cod(loss_mask, D, r, rmin, generator=g)
+    a, d = anchor[0][present[0]], depth[0][present[0]]
+    assert torch.equal(a[d == 0], torch.arange(s))  # depth 0: every position
+    n0 = int(loss_mask[0, 2:].sum())
+    want = cod_element_counts(n0, D, r, rmin)
+    def valid(t, k):
+        return t + 2 + k < s and bool(loss_mask[0, t + 2 + k])
+
+    alive = [t for t in range(s) if valid(t, 0)]
+    for k in range(1, D):
+        ak = a[d == k].tolist()
+        assert ak == sorted(ak) and set(ak) <= set(alive)  # nested: a chain continues only where it was kept
+        assert all(valid(t, k) for t in ak)  # every element has a target
+        pool = [t for t in alive if valid(t, k)]
+        assert len(ak) == min(want[k], len(pool)), (k, len(ak), want[k], len(pool))
+        alive = ak
+    assert 0 < (d == D - 1).sum() < (d == 1).sum() < (d == 0).sum()
+
+
+def test_attention_mask_is_the_reference_rule():
+    anchor = torch.tensor([[0, 1, 2, 3, 4, 0, 2, 3, 0, 3, 0]])
+    depth = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 0]])
+    present = torch.tensor([[True] * 10 + [False]])
+    m = peagle_attention_mask(anchor, depth, present)[0]
+    n = anchor.shape[1]
+    for q in range(n):
+        for k in range(n):
+            aq, ak, dq, dk = anchor[0, q], anchor[0, k], depth[0, q], depth[0, k]
+            want = bool(present[0, q] and present[0, k] and ((dk == 0 and ak <= aq) or (ak == aq and dk <= dq)))
+            assert bool(m[q, k]) == (want or q == k), (q, k)
+
+
+# ---- training-time elements are the drafting forward's outputs --------------------------------------------------
+def _drafting_logits(m, ids, t, d):
+    """Logits of one plain causal draft forward over pairs 0..t and d mask slots (what drafting runs)."""
+    with torch.no_grad():
+        out = m.base_forward(ids[:, : t + 1])
+        feats = m.fuse(m.base_features(out))
+        mf = m.eagle_module.mask_feature()
+        tok = torch.cat([ids[:, 1: t + 2], torch.full((1, d), m.eagle_module.mask_token_id)], 1)
+        feat = torch.cat([feats, mf[None, None].expand(1, d, -1)], 1)
+        ctx = AttnContext(position_ids=torch.arange(t + 1 + d)[None])
+        return m.draft_step(tok, feat, ctx)[1][0, -1]
+
+
+def test_flattened_training_elements_equal_one_forward_drafting():
+    m = _model()
+    torch.manual_seed(4)
+    ids = torch.randint(0, 96, (1, 24))
+    torch.manual_seed(9)
+    res = m.training_losses(ids, return_logits=True)
+    logits, anchor, depth, present = res["step_logits"][0][0], res["anchor"][0], res["depth"][0], res["present"][0]
+    checked = 0
+    for i in range(0, int(present.sum()), 7):
+        t, d = int(anchor[i]), int(depth[i])
+        if t + 1 >= ids.shape[1]:
+            continue
+        torch.testing.assert_close(logits[i], _drafting_logits(m, ids, t, d), atol=2e-5, rtol=1e-5)
+        checked += int(d > 0)
+    assert checked >= 3
+
+
+def test_proposer_drafts_what_the_one_forward_predicts():
+    """Every step's chain (ragged batch) is the argmax of the plain forward [pairs..., bonus pair, mask x (K-1)]."""
+    from nemo_spec.inference import SamplingParams
+    from nemo_spec.inference.session import Session
+
+    m = _model(seed=2)
+    K = 3
+    sess = Session(m, "peagle", options={"num_draft_tokens": K}, max_batch=2)
+    seen = []
+    propose = sess.proposer.propose
+
+    def spy(s, st, level=None):
+        tree = propose(s, st, level)
+        seen.append(([list(x) for x in st.seqs], tree.tokens.clone()))
+        return tree
+
+    sess.proposer.propose = spy
+    for p in ([5, 9, 11, 3, 5, 9], [40, 2]):
+        sess.add(p, SamplingParams(max_new_tokens=8))
+    sess.run()
+    assert len(seen) >= 4
+    ids_of = m.draft_vocab_ids()
+    for seqs, tokens in seen:
+        for r, seq in enumerate(seqs):
+            ids = torch.tensor([seq])
+            want = [int(ids_of[_drafting_logits(m, ids, len(seq) - 2, d).argmax()]) for d in range(K)]
+            assert tokens[r].tolist() == want, (seq, tokens[r].tolist(), want)
+
+
+# ---- the objective ---------------------------------------------------------------------------------------------------
+def test_loss_is_kl_and_falls_with_training():
+    m = _model(perturb=False)
+    torch.manual_seed(1)
+    data = torch.randint(0, 96, (4, 32))
+    m.train()
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    losses = []
+    for i in range(30):
+        torch.manual_seed(100 + i)
+        res = m.training_losses(data)
+        opt.zero_grad()
+        res["loss"].backward()
+        opt.step()
+        losses.append(float(res["loss"]))
+        assert float(res["loss"]) >= -1e-5  # a KL divergence
+    assert len(res["step_losses"]) == 3 and len(res["step_acc"]) == 3
+    assert m.eagle_module.mask_hidden.grad is not None and m.eagle_module.mask_embed.grad is not None
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    from nemo_spec.checkpoint import load_model, read_checkpoint_config, save_checkpoint
+
+    m = _model(seed=3, draft_vocab_size=48)
+    m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
+    path = save_checkpoint(m, tmp_path / "pe")
+    conf = read_checkpoint_config(path)["speculative"]
+    assert conf["algorithm"] == "peagle" and conf["mask_token_id"] == 7 and conf["parallel_depth"] == 3
+    loaded = load_model(path)
+    assert loaded.spec_config == m.spec_config
+    a, b = m.state_dict(), loaded.state_dict()
+    for k in ("eagle_module.mask_hidden", "eagle_module.mask_embed", "eagle_module.d2t", "eagle_module.fc.weight"):
+        assert torch.equal(a[k], b[k]), k
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+
+
+# ---- export: the speculators format through vLLM 0.33.0's reading ---------------------------------------------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from nemo_spec.export import export_model
+    from nemo_spec.export.peagle import export_peagle
+
+    m = _model(seed=4, draft_vocab_size=48, aux_layers=[3, 0, 1])
+    m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
+    d = tmp_path_factory.mktemp("pe_export")
+    export_model(m, d / "exp", fmt="base", dtype="fp32")
+    export_peagle(m, d / "exp" / "draft", num_speculative_tokens=3)
+    return m, d / "exp"
+
+
+def test_speculators_export_round_trips_through_the_vllm_reader(exported):
+    import json
+
+    from nemo_spec.export.engines import base_forward
+    from nemo_spec.export.engines.vllm_peagle import our_peagle_logits, peagle_logits
+
+    m, root = exported
+    conf = json.loads((root / "draft" / "config.json").read_text())
+    assert conf["speculators_model_type"] == "peagle" and conf["mask_token_id"] == 7
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM ids of base layers 0, 1, 3 (sorted)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    run = base_forward(root / "base", ids)
+    theirs, ours = peagle_logits(root / "draft", run, ids, 3), our_peagle_logits(m, ids, 3)
+    assert theirs.shape == ours.shape == (2, 8 + 2, 96)
+    fin = torch.isfinite(ours)
+    assert torch.equal(torch.isfinite(theirs), fin) and int(fin[0, 0].sum()) == 48
+    assert (theirs[fin] - ours[fin]).abs().max() < 1e-4
+
+
+def test_vllm_reader_catches_broken_exports(exported, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export.engines import EngineMismatch, base_forward
+    from nemo_spec.export.engines.vllm_peagle import our_peagle_logits, peagle_logits
+
+    m, root = exported
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    run = base_forward(root / "base", ids)
+    ours = our_peagle_logits(m, ids, 3)
+
+    def variant(edit_conf=None, edit_w=None):
+        d = tmp_path / f"v{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(root / "draft", d)
+        if edit_conf:
+            c = json.loads((d / "config.json").read_text())
+            edit_conf(c)
+            (d / "config.json").write_text(json.dumps(c))
+        if edit_w:
+            w = load_file(str(d / "model.safetensors"))
+            edit_w(w)
+            save_file(w, str(d / "model.safetensors"))
+        return d
+
+    with pytest.raises(EngineMismatch, match="mask_hidden not in the weights"):
+        peagle_logits(variant(edit_w=lambda w: w.pop("mask_hidden")), run, ids, 3)
+    with pytest.raises(EngineMismatch, match="no mask_token_id"):
+        peagle_logits(variant(edit_conf=lambda c: c.pop("mask_token_id")), run, ids, 3)
+    # a wrong mask id, unreordered mask_hidden blocks, or a normed residual load but compute different logits
+    for conf_edit, w_edit in ((lambda c: c.update(mask_token_id=8), None),
+                              (None, lambda w: w.update(mask_hidden=w["mask_hidden"].flip(-1).contiguous())),
+                              (lambda c: c.update(norm_before_residual=True), None)):
+        theirs = peagle_logits(variant(conf_edit, w_edit), run, ids, 3)
+        fin = torch.isfinite(ours)
+        assert (theirs[fin] - ours[fin]).abs().max() > 1e-3
+    # the depth-0 rows do not depend on the mask inputs: only the mask slots move
+    theirs = peagle_logits(variant(edit_w=lambda w: w.update(mask_hidden=torch.zeros_like(w["mask_hidden"]))),
+                           run, ids, 3)
+    fin = torch.isfinite(ours)
+    assert (theirs[:, :6][fin[:, :6]] - ours[:, :6][fin[:, :6]]).abs().max() < 1e-4
+    assert (theirs[:, 6:][fin[:, 6:]] - ours[:, 6:][fin[:, 6:]]).abs().max() > 1e-3
+
+
+def test_export_refuses_duplicate_aux_layers():
+    from nemo_spec.export.formats import ExportError
+    from nemo_spec.export.peagle import export_peagle
+
+    with pytest.raises(ExportError, match="distinct base layers"):
+        export_peagle(_model(perturb=False), "/nonexistent/never-written")
