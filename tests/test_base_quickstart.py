@@ -80,7 +80,7 @@ def test_tiny_quickstart_end_to_end_then_cached_then_partly_redone(tmp_path):
     assert "- target at batch 1: EAGLE tree tau >= 3.5: " in table
     assert (res.outputs["export"] / "README.md").is_file()
     again = Q.run_quickstart(Q.QuickstartConfig(**kw))
-    assert again.cached == list(Q.STAGES) and again.table == table
+    assert again.cached == list(Q.BUILTIN_STAGES) and again.table == table
     changed = Q.run_quickstart(Q.QuickstartConfig(**{**kw, "max_new_tokens": 4}))
     assert changed.cached == ["base", "speculate", "data", "train", "export"]
     assert "2 prompts, 4 new tokens each" in changed.table
