@@ -97,20 +97,10 @@ def _key(gguf_file: Path, code_max_bytes: Optional[int]) -> str:
 
 
 def _run(cmd: List[str], log_file: Path) -> None:
-    env = dict(os.environ)
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    from nemo_spec.base.quickstart import run_teed
+
     log.info("$ %s", " ".join(shlex.quote(c) for c in cmd))
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as fh:  # teed: the conversion's own log lines and progress bars stay visible
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            fh.write(line)
-            sys.stderr.write(line)
-        rc = proc.wait()
+    rc = run_teed(cmd, log_file)
     if rc != 0:
         raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {rc}); see {log_file}")
 
@@ -245,14 +235,12 @@ def serving(checkpoint: Path, log_file: Path, port: Optional[int] = None, max_ba
     cmd = [sys.executable, "scripts/serve.py", f"model.path={checkpoint}", f"port={port}",
            f"model.max_batch={max_batch}", "log_level=warning", "hydra.run.dir=" + str(log_file.parent / "hydra"),
            *extra]
-    env = dict(os.environ)
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    from nemo_spec.base.quickstart import script_env
+
     log.info("[serve] $ %s", " ".join(shlex.quote(c) for c in cmd))
     log_file.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_file, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=fh, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + timeout_s
         while True:

@@ -170,24 +170,36 @@ def _reuse_or_reset(res: "QuickstartResult", stage: str, settings: object, outpu
     return False
 
 
-def _run(stage: str, args: List[str], log_file: Path) -> None:
-    """Run one stage command (a project script) with its output teed to ``log_file``; raise on failure."""
-    cmd = [sys.executable, *args]
-    log.info("[%s] $ %s", stage, " ".join(shlex.quote(a) for a in cmd))
+def script_env() -> Dict[str, str]:
+    """The environment of a project script run as a child process: this process's torch.distributed variables
+    removed (set by its own single-process set-up, e.g. the base build), the checkout on PYTHONPATH."""
     env = dict(os.environ)
-    for var in _DIST_ENV:  # set by this process's own single-process torch.distributed (base build)
+    for var in _DIST_ENV:
         env.pop(var, None)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_teed(cmd: List[str], log_file: Path) -> int:
+    """Run ``cmd`` in the checkout with its output teed to ``log_file`` and stderr (its own log lines and progress
+    bars stay visible); returns the exit code."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
         assert proc.stdout is not None
         for line in proc.stdout:
             fh.write(line)
             sys.stderr.write(line)
-        rc = proc.wait()
+        return proc.wait()
+
+
+def _run(stage: str, args: List[str], log_file: Path) -> None:
+    """Run one stage command (a project script) with its output teed to ``log_file``; raise on failure."""
+    cmd = [sys.executable, *args]
+    log.info("[%s] $ %s", stage, " ".join(shlex.quote(a) for a in cmd))
+    rc = run_teed(cmd, log_file)
     if rc != 0:
         raise QuickstartError(f"quickstart stage {stage!r} failed (exit code {rc}); see {log_file}")
 
