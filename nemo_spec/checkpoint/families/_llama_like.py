@@ -7,8 +7,9 @@ weight rules from here; nothing in this module names a family.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from nemo_spec.checkpoint.families._base import FamilyError, Rule, r
 from nemo_spec.config import ConfigError, ModelConfig
@@ -188,7 +189,7 @@ def llama_like_from_hf(hf: Mapping[str, Any], source: str, *, arch: str, qkv_bia
     theta, scaling = rope_from_hf(hf, source)
     sw, sw_layers = window(hf, source)
     extra: Dict[str, Any] = moe_from_hf(hf, source, moe) if moe is not None else {}
-    try:
+    with config_errors(source):
         return ModelConfig(
             vocab_size=int(required(hf, source, "vocab_size")), hidden_size=hidden,
             num_layers=int(required(hf, source, "num_hidden_layers")), num_attention_heads=heads,
@@ -202,11 +203,19 @@ def llama_like_from_hf(hf: Mapping[str, Any], source: str, *, arch: str, qkv_bia
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_method_std=float(hf.get("initializer_range", 0.02)), qk_layernorm=qk_layernorm,
             sliding_window=sw, sliding_window_layers=sw_layers, **extra, **token_ids(hf, source))
+
+
+@contextmanager
+def config_errors(source: str) -> Iterator[None]:
+    """Building a ModelConfig from config.json values: a ConfigError, or a field value of the wrong type, becomes a
+    FamilyError naming ``source`` (FamilyErrors pass through)."""
+    try:
+        yield
+    except FamilyError:
+        raise
     except ConfigError as e:
         raise FamilyError(f"{source}: {e}") from e
     except (TypeError, ValueError) as e:
-        if isinstance(e, FamilyError):
-            raise
         raise FamilyError(f"{source}: invalid field value ({e})") from e
 
 

@@ -25,7 +25,7 @@ def from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
         raise FamilyError(f"{source}: field 'activation_function'={act!r} is not supported (supported: {sorted(_ACTS)})")
     req = lambda *n: L.required(hf, source, *n)  # noqa: E731
     hidden = int(req("n_embd", "hidden_size"))
-    try:
+    with L.config_errors(source):
         return ModelConfig(
             vocab_size=int(req("vocab_size")), hidden_size=hidden, num_layers=int(req("n_layer", "num_hidden_layers")),
             num_attention_heads=int(req("n_head", "num_attention_heads")),
@@ -35,12 +35,6 @@ def from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
             activation=_ACTS[act], position_embedding="learned", add_bias_linear=True,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
             init_method_std=float(hf.get("initializer_range", 0.02)), **L.token_ids(hf, source))
-    except ConfigError as e:
-        raise FamilyError(f"{source}: {e}") from e
-    except (TypeError, ValueError) as e:
-        if isinstance(e, FamilyError):
-            raise
-        raise FamilyError(f"{source}: invalid field value ({e})") from e
 
 
 def to_hf(cfg: ModelConfig) -> Dict[str, Any]:
