@@ -26,9 +26,6 @@ from nemo_spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-
-
 def is_nemo2_dir(p: Path) -> bool:
     """Whether ``p`` is a NeMo 2 checkpoint directory (``context/`` and a complete ``weights/``)."""
     return (p / "context").is_dir() and (p / "weights" / "metadata.json").is_file()
@@ -180,7 +177,7 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     from megatron.core import dist_checkpointing
 
     from nemo_spec.checkpoint import legacy
-    from nemo_spec.checkpoint.megatron import _ensure_parallel, _target_tp, check_tp, load_dist_into
+    from nemo_spec.checkpoint.megatron import _DTYPES, _ensure_parallel, _target_tp, check_tp, load_dist_into
     from nemo_spec.models import build_gpt
 
     info = read_config(p)
@@ -189,7 +186,7 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     tp = _target_tp(tp_size)
     check_tp(cfg, tp, source)
     if dtype is None:
-        dtype = _DTYPES.get(f"torch.{info['params_dtype']}", torch.float32)
+        dtype = _DTYPES.get(info["params_dtype"], torch.float32)
     _ensure_parallel(tp)
     model = build_gpt(cfg, params_dtype=dtype)
     wdir = p / "weights"
