@@ -15,8 +15,11 @@ $(STAMP): setup.py requirements-cpu.txt
 
 venv: $(STAMP)
 
+# test files spread over $(TEST_WORKERS) worker processes (pytest-xdist; a file's tests stay on one worker, so its
+# module fixtures are built once); TEST_WORKERS=0 runs everything in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 # NeMo 2 integration suite in its own environment (NeMo 2.7.3 pins lightning 2.4, numpy < 2, megatron-core 0.15)
 NEMO_VENV ?= .venv-nemo

@@ -50,3 +50,38 @@ def run_torchrun(script: Path | str, args: Sequence[str] = (), nproc: int = 2, t
     if p.returncode != 0:
         raise AssertionError(f"torchrun {script} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-8000:]}")
     return p.stdout
+
+
+def readme_smoke_commands() -> List[str]:
+    """The README's smoke-run commands, exactly as written (lines of its bash blocks marked '# smoke run')."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.split("#")[0].strip() for b in blocks for line in b.splitlines() if line.rstrip().endswith("# smoke run")]
+
+
+def run_readme_command(cmd: str, timeout: int = 1200) -> "subprocess.CompletedProcess[str]":
+    """Run a README command line literally (shell, repository root, ``python`` = this venv) from nothing: a
+    ``--cache_dir`` it names is removed first, as for a new user. Asserts exit 0; returns the finished process."""
+    import shlex
+    import shutil
+
+    argv = shlex.split(cmd)
+    if "--cache_dir" in argv:
+        shutil.rmtree(argv[argv.index("--cache_dir") + 1], ignore_errors=True)
+    env = script_env()
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def script_env() -> dict:
+    """Environment for running a script as a user would: one thread, this checkout importable, no torchrun or
+    debugging variables inherited from the test process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR",
+              "NEMO_SPEC_DEBUG", "PYTHONWARNINGS"):
+        env.pop(k, None)
+    return env

@@ -1,8 +1,13 @@
-"""Quickstart pipeline: stage availability, clear errors for missing stages, config validation (no heavy work)."""
+"""Quickstart pipeline: stage availability, clear errors for missing stages, config validation, and the README's
+smoke run end to end with its stage cache."""
+import dataclasses
+import shlex
+
 import pytest
 
 from nemo_spec.base import quickstart as Q
 from nemo_spec.config import ConfigError
+from tests.helpers import readme_smoke_commands, run_readme_command
 
 
 def test_all_stages_available_in_this_checkout():
@@ -68,19 +73,22 @@ def test_stage_cache_is_keyed_by_settings_chained_through_the_stages(tmp_path):
     assert not out_b.exists()                 # other settings: the stale output is removed first
 
 
-def test_tiny_quickstart_end_to_end_then_cached_then_partly_redone(tmp_path):
-    kw = dict(preset="tiny", cache_dir=str(tmp_path), draft_vocab_size=256, train_steps=2, train_bs=2,
-              train_seq_len=64, num_prompts=2, max_new_tokens=6, extra={"benchmark": ["--repeats", "1"]})
-    res = Q.run_quickstart(Q.QuickstartConfig(**kw))
-    assert res.cached == []
-    table = res.table
-    for row in ("| nemo_spec | ar | 1 |", "| nemo_spec | eagle | 1 |", "| nemo_spec | eagle_tree | 1 |",
-                "| transformers | plain | 1 |"):
-        assert row in table, table
-    assert "- target at batch 1: EAGLE tree tau >= 3.5: " in table
-    assert (res.outputs["export"] / "README.md").is_file()
-    again = Q.run_quickstart(Q.QuickstartConfig(**kw))
-    assert again.cached == list(Q.BUILTIN_STAGES) and again.table == table
-    changed = Q.run_quickstart(Q.QuickstartConfig(**{**kw, "max_new_tokens": 4}))
-    assert changed.cached == ["base", "speculate", "data", "train", "export"]
-    assert "2 prompts, 4 new tokens each" in changed.table
+def test_readme_smoke_run_as_written_then_cached_then_partly_redone():
+    """The README's quickstart smoke command, run literally from nothing (tests.helpers.run_readme_command), prints
+    its table; the same settings in-process reuse every stage with the same table; one benchmark setting changed
+    redoes only the benchmark (the stamps chain the settings through the stages)."""
+    cmds = [c for c in readme_smoke_commands() if c.startswith("python scripts/quickstart.py")]
+    assert cmds, "the README has no quickstart smoke command"
+    for cmd in cmds:
+        proc = run_readme_command(cmd)
+        for row in ("| nemo_spec | ar | 1 |", "| nemo_spec | eagle | 1 |", "| nemo_spec | eagle_tree | 1 |",
+                    "| transformers | plain | 1 |", "- target at batch 1: EAGLE tree tau >= 3.5: "):
+            assert row in proc.stdout, proc.stdout[-3000:]
+        cfg = Q.config_from_args(Q.build_parser().parse_args(shlex.split(cmd)[2:]))
+        again = Q.run_quickstart(cfg)
+        assert again.cached == list(Q.BUILTIN_STAGES)
+        assert again.table and again.table in proc.stdout
+        assert (again.outputs["export"] / "README.md").is_file()
+        changed = Q.run_quickstart(dataclasses.replace(cfg, max_new_tokens=4))
+        assert changed.cached == ["base", "speculate", "data", "train", "export"]
+        assert f"{cfg.num_prompts} prompts, 4 new tokens each" in changed.table

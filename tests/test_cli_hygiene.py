@@ -2,28 +2,19 @@
 undecodable data lines treated as malformed records, and the README's smoke commands running as written."""
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from nemo_spec.data.formats import DataFormatError, ReadStats, read_conversations
-from tests.helpers import ROOT
+from tests.helpers import ROOT, readme_smoke_commands, run_readme_command, script_env
 
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR",
-              "NEMO_SPEC_DEBUG", "PYTHONWARNINGS"):
-        env.pop(k, None)
-    return env
+_env = script_env
 
 
 def _run(args, timeout=300, cwd=ROOT):
@@ -117,24 +108,14 @@ def test_undecodable_lines_are_malformed_records(tmp_path):
 
 # ------------------------------------------------------------------------------------ README commands
 
-def readme_smoke_commands():
-    """The README's smoke-run commands, exactly as written (lines of its bash blocks marked '# smoke run')."""
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    return [line.split("#")[0].strip() for b in blocks for line in b.splitlines() if line.rstrip().endswith("# smoke run")]
-
-
 def test_readme_has_smoke_commands():
     cmds = readme_smoke_commands()
     assert cmds and all(c.startswith("python scripts/") for c in cmds), cmds
 
 
-@pytest.mark.parametrize("cmd", readme_smoke_commands())
-def test_readme_smoke_command_runs_as_written(cmd, tmp_path):
-    argv = shlex.split(cmd)
-    if "--cache_dir" in argv:  # start from nothing, as a new user does
-        shutil.rmtree(argv[argv.index("--cache_dir") + 1], ignore_errors=True)
-    env = _env()
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # `python` = this venv
-    proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
+# quickstart smoke commands are run as written by tests/test_base_quickstart.py, which then checks their cache
+_OTHER_SMOKE = [c for c in readme_smoke_commands() if not c.startswith("python scripts/quickstart.py")]
+if _OTHER_SMOKE:
+    @pytest.mark.parametrize("cmd", _OTHER_SMOKE)
+    def test_readme_smoke_command_runs_as_written(cmd):
+        run_readme_command(cmd)
