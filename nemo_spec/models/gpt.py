@@ -18,13 +18,14 @@ from nemo_spec import parallel
 
 def build_gpt(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
               device: Optional[torch.device] = None) -> GPTModel:
-    """Build a (tensor-parallel, per the current parallel state) megatron-core GPTModel for ``cfg``."""
+    """Build a (tensor- and expert-parallel, per the current parallel state) megatron-core GPTModel for ``cfg``."""
     apply_cpu_workarounds()
     tp = parallel.tp_size()
     cfg.check_tensor_parallel(tp)
     if cfg.vocab_size % tp:
         from nemo_spec.config import ConfigError
         raise ConfigError(f"tensor parallel size {tp} does not divide vocab_size={cfg.vocab_size}")
+    cfg.check_expert_parallel(parallel.ep_size())
     tcfg = transformer_config(cfg, tp, params_dtype)
     model = GPTModel(
         config=tcfg,
