@@ -139,6 +139,24 @@ def ep_size() -> int:
     )
 
 
+def drop_inference_buffers() -> None:
+    """Forget megatron's global memory buffers that were allocated under ``torch.inference_mode``.
+
+    megatron-core reuses one buffer per name (``utils.GlobalMemoryBuffer.get_tensor``; e.g. the MoE allgather
+    dispatcher gathers tokens into it at TP x EP > 1). Allocated first inside inference mode (our generation
+    session, Lightning's validation loop) it is an inference tensor, and the next forward outside inference mode
+    fails writing into it ("Inplace update to inference tensor outside InferenceMode"); dropping it lets that
+    forward allocate a normal one. Cheap: a handful of dict entries."""
+    from megatron.core import parallel_state
+
+    buf = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    store = getattr(buf, "buffer", None)
+    if not store:
+        return
+    for key in [k for k, t in store.items() if torch.is_tensor(t) and t.is_inference()]:
+        del store[key]
+
+
 def is_rank_zero() -> bool:
     """True on global rank 0 (or without torch.distributed)."""
     return not dist.is_initialized() or dist.get_rank() == 0

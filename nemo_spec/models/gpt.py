@@ -134,6 +134,8 @@ def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[A
     """
     m = unwrap(model)
     b, s = input_ids.shape
+    if not torch.is_inference_mode_enabled():
+        parallel.drop_inference_buffers()
     if not foreign.is_project_spec(m):  # another layer spec: its own forward, hidden states captured by hooks
         if ctx is not None and (ctx.cache is not None or ctx.mask is not None or not _default_positions(ctx, s)):
             foreign.require_project_spec(m, "a forward with a KV cache, a mask or explicit positions")
