@@ -141,6 +141,18 @@ class ModelConfig:
             _check(self.moe_ffn_hidden_size % tp == 0,
                    f"tensor parallel size {tp} does not divide moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise ConfigError if expert-parallel size ``ep`` cannot shard this model's experts (or it has none)."""
+        _check(isinstance(ep, int) and ep >= 1, f"expert parallel size must be a positive int, got {ep!r}")
+        if ep == 1:
+            return
+        _check(self.num_moe_experts is not None,
+               f"expert parallel size {ep} needs a mixture-of-experts model, but this model is dense "
+               f"(num_moe_experts=None); use expert parallel size 1")
+        _check(self.num_moe_experts % ep == 0,
+               f"expert parallel size {ep} does not divide num_moe_experts={self.num_moe_experts} (each EP rank "
+               f"holds num_moe_experts / EP experts)")
+
     def to_dict(self) -> Dict[str, Any]:
         """Plain-JSON representation."""
         return dataclasses.asdict(self)

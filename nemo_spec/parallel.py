@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_spec._cpu import apply_cpu_workarounds
+from nemo_spec.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +22,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize(tensor_parallel_size: int = 1, seed: int = 1234, backend: Optional[str] = None) -> None:
-    """Initialise torch.distributed (from torchrun env vars, or a single local process) and megatron parallel state."""
+class ParallelConfigError(ConfigError):
+    """A tensor/expert-parallel layout that cannot run (the message names the size and what it must divide)."""
+
+
+def check_sizes(world: int, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
+    """Raise ParallelConfigError unless TP and EP are positive and TP x EP divides the world size.
+
+    Experts are tensor-parallel inside each expert over the same TP ranks (megatron-core's
+    ``expert_tensor_parallel_size`` defaults to the TP size), so one expert-model-parallel block spans TP x EP ranks.
+    """
+    for name, v in (("tensor_parallel_size", tensor_parallel_size), ("expert_parallel_size", expert_parallel_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ParallelConfigError(f"{name} must be a positive int, got {v!r}")
+    if world % tensor_parallel_size != 0:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}")
+    if world % (tensor_parallel_size * expert_parallel_size) != 0:
+        raise ParallelConfigError(
+            f"expert_parallel_size={expert_parallel_size} x tensor_parallel_size={tensor_parallel_size} = "
+            f"{tensor_parallel_size * expert_parallel_size} does not divide the world size {world}")
+
+
+def initialize(tensor_parallel_size: int = 1, seed: int = 1234, backend: Optional[str] = None,
+               expert_parallel_size: int = 1) -> None:
+    """Initialise torch.distributed (from torchrun env vars, or a single local process) and megatron parallel state
+    (TP, EP; data parallel = world / TP; experts: expert-data parallel = world / (TP x EP))."""
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_workarounds()
     if not dist.is_initialized():
+        world_env = int(os.environ.get("WORLD_SIZE", "1"))
+        check_sizes(world_env, tensor_parallel_size, expert_parallel_size)  # before a process group exists
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -38,21 +65,20 @@ def initialize(tensor_parallel_size: int = 1, seed: int = 1234, backend: Optiona
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
     world = dist.get_world_size()
-    if tensor_parallel_size < 1 or world % tensor_parallel_size != 0:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}"
-        )
+    check_sizes(world, tensor_parallel_size, expert_parallel_size)
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel_size:
+        if (parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel_size
+                and parallel_state.get_expert_model_parallel_world_size() == expert_parallel_size):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                             expert_model_parallel_size=expert_parallel_size)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     log.info(
-        "parallel state: world=%d tp=%d dp=%d backend=%s",
-        world, tensor_parallel_size, world // tensor_parallel_size, dist.get_backend(),
+        "parallel state: world=%d tp=%d ep=%d dp=%d backend=%s",
+        world, tensor_parallel_size, expert_parallel_size, world // tensor_parallel_size, dist.get_backend(),
     )
 
 
@@ -67,9 +93,10 @@ def destroy() -> None:
 
 
 @contextlib.contextmanager
-def parallel_context(tensor_parallel_size: int = 1, seed: int = 1234) -> Iterator[None]:
+def parallel_context(tensor_parallel_size: int = 1, seed: int = 1234,
+                     expert_parallel_size: int = 1) -> Iterator[None]:
     """Context manager around :func:`initialize` / :func:`destroy`."""
-    initialize(tensor_parallel_size, seed)
+    initialize(tensor_parallel_size, seed, expert_parallel_size=expert_parallel_size)
     try:
         yield
     finally:
@@ -92,6 +119,42 @@ def tp_size() -> int:
         if parallel_state.model_parallel_is_initialized()
         else 1
     )
+
+
+def ep_rank() -> int:
+    """Expert-parallel rank of this process (0 when not initialised)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def ep_size() -> int:
+    """Expert-parallel world size (1 when not initialised)."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_expert_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1
+    )
+
+
+def drop_inference_buffers() -> None:
+    """Forget megatron's global memory buffers that were allocated under ``torch.inference_mode``.
+
+    megatron-core reuses one buffer per name (``utils.GlobalMemoryBuffer.get_tensor``; e.g. the MoE allgather
+    dispatcher gathers tokens into it at TP x EP > 1). Allocated first inside inference mode (our generation
+    session, Lightning's validation loop) it is an inference tensor, and the next forward outside inference mode
+    fails writing into it ("Inplace update to inference tensor outside InferenceMode"); dropping it lets that
+    forward allocate a normal one. Cheap: a handful of dict entries."""
+    from megatron.core import parallel_state
+
+    buf = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    store = getattr(buf, "buffer", None)
+    if not store:
+        return
+    for key in [k for k, t in store.items() if torch.is_tensor(t) and t.is_inference()]:
+        del store[key]
 
 
 def is_rank_zero() -> bool:

@@ -5,6 +5,7 @@
   python scripts/convert_hf.py import MODEL.gguf CKPT_DIR        # GGUF (dequantized) -> torch_dist (+ tokenizer)
   python scripts/convert_hf.py export CKPT_DIR HF_DIR --dtype bf16   # torch_dist / legacy / HF -> HF
   torchrun --nproc_per_node 2 scripts/convert_hf.py import HF_DIR CKPT_DIR --tp 2
+  torchrun --nproc_per_node 2 scripts/convert_hf.py import MOE_HF_DIR CKPT_DIR --ep 2   # experts over 2 EP ranks
 """
 import argparse
 import logging
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("src", help="source directory (import: or a .gguf file)")
     ap.add_argument("dst", help="destination directory (written atomically)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun when > 1)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size of a MoE model (TP x EP must divide the "
+                    "world size)")
     ap.add_argument("--dtype", default="fp32", help="export: fp32 | bf16 | fp16; import: the parameter dtype of a "
                     "GGUF import (HF imports keep fp32 parameters)")
     ap.add_argument("--tokenizer_dir", default=None, help="export: tokenizer files to copy (default: from src)")
@@ -32,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="export: replace a non-empty destination")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parallel.initialize(tensor_parallel_size=args.tp)
+    parallel.initialize(tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
     try:
         if args.direction == "import" and (gguf.is_gguf_file(args.src) or args.src.lower().endswith(".gguf")):
             out = gguf.convert_gguf_to_checkpoint(args.src, args.dst, params_dtype=hf.resolve_dtype(args.dtype))

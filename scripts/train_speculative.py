@@ -3,6 +3,7 @@
 
     python scripts/train_speculative.py model_path=ckpt/base spec=eagle3 data=daring_anteater data.path=train.jsonl
     torchrun --nproc_per_node 2 scripts/train_speculative.py ... trainer.tensor_parallel_size=2
+    torchrun --nproc_per_node 2 scripts/train_speculative.py ... trainer.expert_parallel_size=2   # MoE base
 """
 from nemo_spec import entry  # noqa: E402
 entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks

@@ -1,7 +1,7 @@
 """Target families Qwen3 (dense), Qwen3-MoE, Mixtral and sliding-window attention, end to end against transformers:
 logits (several lengths, beyond the window), HF export round trip, EAGLE-3 draft (aux capture, training steps,
-export verified through the engine conformance readers), greedy speculative == greedy AR, TP=2, config errors,
-and the README support table generated from the family declarations."""
+export verified through the engine conformance readers), greedy speculative == greedy AR, TP=2, EP=2 (MoE), config
+and expert-parallel errors, and the README support table generated from the family declarations."""
 from __future__ import annotations
 
 import dataclasses
@@ -166,9 +166,19 @@ def test_eagle3_pipeline(hf_dirs, kind, tmp_path):
         assert [o.tokens for o in outs] == ref, method
 
 
-def test_tp2_equals_tp1(hf_dirs, tmp_path):
-    """Under torchrun (gloo): Qwen3, Qwen3-MoE and Mixtral at TP=2 give transformers' logits (experts sharded over
-    TP) and export the original weights again."""
+MOE = ["qwen3_moe", "mixtral"]
+
+
+def test_tp2_and_ep2_equal_tp1(hf_dirs, tmp_path):
+    """One torchrun launch (gloo, 2 ranks). TP=2: Qwen3, Qwen3-MoE and Mixtral give transformers' logits (experts
+    sharded over TP) and export the original weights again. EP=2 (Qwen3-MoE, Mixtral; 2 of the 4 experts per rank):
+    logits == EP=1 == transformers', HF export round-trips the weights, greedy AR and EAGLE-3 speculative (chain and
+    tree) == EP=1 greedy AR, a draft trains (base frozen), and the torch_dist checkpoint saved at EP=2 reloads at
+    EP=2 there and at EP=1 here with the original weights (Qwen3-MoE only: the layout is the same)."""
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.checkpoint.hf import hf_state_dict_from_megatron
+    from nemo_spec.checkpoint.tp import gather_full_state_dict
+
     args = []
     for kind in PIPELINE:
         path, ref_model = hf_dirs[kind]
@@ -176,12 +186,24 @@ def test_tp2_equals_tp1(hf_dirs, tmp_path):
         with torch.no_grad():
             torch.save({"input_ids": x, "logits": ref_model(input_ids=x).logits}, tmp_path / f"{kind}.pt")
         args += [path, tmp_path / f"{kind}.pt", tmp_path / f"{kind}_tp2"]
-    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "families_tp2.py", args)
+    args.append("--ep")
+    for kind in MOE:
+        args += [hf_dirs[kind][0], tmp_path / f"{kind}.pt", tmp_path / f"{kind}_ep2"]
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "families_tp2.py", args, timeout=420)
     assert out.count("FAMILIES_TP2_OK") == len(PIPELINE), out
+    assert out.count("FAMILIES_EP2_OK") == len(MOE), out
     for kind in PIPELINE:
         orig = load_file(str(hf_dirs[kind][0] / "model.safetensors"))
         new = load_file(str(tmp_path / f"{kind}_tp2" / "model.safetensors"))
         assert set(orig) == set(new) and all(torch.equal(orig[k], new[k]) for k in orig), kind
+    for kind in MOE:
+        orig = load_file(str(hf_dirs[kind][0] / "model.safetensors"))
+        new = load_file(str(tmp_path / f"{kind}_ep2" / "hf" / "model.safetensors"))
+        assert set(orig) == set(new) and all(torch.equal(orig[k], new[k]) for k in orig), kind
+    orig = load_file(str(hf_dirs[MOE[0]][0] / "model.safetensors"))
+    again = load_model(tmp_path / f"{MOE[0]}_ep2" / "ckpt")  # saved at EP=2, loaded here at EP=1
+    back = hf_state_dict_from_megatron(gather_full_state_dict(again, gated=True), again.nemo_spec_config, MOE[0])
+    assert set(back) == set(orig) and all(torch.equal(orig[k], back[k]) for k in orig)
 
 
 def test_unsupported_configs_name_the_field():
@@ -213,3 +235,47 @@ def test_readme_table_matches_the_declarations():
     for fam in families.FAMILIES:  # the declared engines agree with the reference reader's base rule
         if fam.model_type != "gpt2":
             assert ("reference" in fam.limits.engines) == (base_unsupported(fam.architecture) is None), fam
+
+
+def test_bad_expert_parallel_configs_name_the_problem(hf_dirs, monkeypatch):
+    """EP sizes that cannot run are refused before any weights load, naming the size and what it must divide."""
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import CheckpointConfigError, load_model
+    from nemo_spec.checkpoint.tp import split_state_dict
+    from nemo_spec.config import ConfigError
+    from nemo_spec.training.config import TrainConfig, TrainerConfig
+    from nemo_spec.training.run import planned_dp_size
+
+    with pytest.raises(parallel.ParallelConfigError, match=r"expert_parallel_size=3 x tensor_parallel_size=1 = 3 "
+                                                          r"does not divide the world size 2"):
+        parallel.check_sizes(2, 1, 3)
+    with pytest.raises(parallel.ParallelConfigError, match="expert_parallel_size must be a positive int, got 0"):
+        parallel.check_sizes(2, 1, 0)
+    with pytest.raises(parallel.ParallelConfigError, match="= 2 does not divide the world size 1"):
+        parallel.initialize(expert_parallel_size=2)  # this single process cannot host two EP ranks
+    assert parallel.ep_size() == 1 and parallel.tp_size() == 1  # the session's state is untouched
+    moe = hf_to_model_config(_config("qwen3_moe").to_dict())
+    dense = hf_to_model_config(_config("qwen3").to_dict())
+    with pytest.raises(ConfigError, match="expert parallel size 3 does not divide num_moe_experts=4"):
+        moe.check_expert_parallel(3)
+    with pytest.raises(ConfigError, match="expert parallel size 2 needs a mixture-of-experts model.*dense"):
+        dense.check_expert_parallel(2)
+    with pytest.raises(CheckpointConfigError, match="config.json: expert parallel size 3 does not divide "
+                                                    "num_moe_experts=4"):
+        load_model(hf_dirs["qwen3_moe"][0], ep_size=3)
+    with pytest.raises(CheckpointConfigError, match="config.json: expert parallel size 2 needs a mixture-of-experts"):
+        load_model(hf_dirs["qwen3"][0], ep_size=2)
+    with pytest.raises(CheckpointConfigError, match="cannot load at tp_size=1, ep_size=2.*world size 1"):
+        load_model(hf_dirs["mixtral"][0], ep_size=2)
+    with pytest.raises(ValueError, match="expert parallel size 2 needs a mixture-of-experts state dict"):
+        split_state_dict({"decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(4, 2)}, 0, 1, True, 0, 2)
+    with pytest.raises(ConfigError, match="trainer.expert_parallel_size must be a positive int, got 0"):
+        TrainerConfig(expert_parallel_size=0).validate()
+    with pytest.raises(ConfigError, match="train_base=true with trainer.expert_parallel_size=2 is not supported"):
+        TrainConfig(train_base=True, trainer=TrainerConfig(expert_parallel_size=2)).validate()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"trainer.expert_parallel_size=2 x trainer.tensor_parallel_size=2 = 4 does "
+                                          r"not divide the world size 2"):
+        planned_dp_size(2, 2)
+    assert planned_dp_size(1, 2) == 2
+    assert parallel.ep_size() == 1 and parallel.tp_size() == 1

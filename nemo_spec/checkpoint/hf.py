@@ -246,7 +246,7 @@ def load_hf_state_dict(path: PathLike, cfg: Optional[ModelConfig] = None) -> Dic
 
 def load_hf(path: PathLike, params_dtype: torch.dtype = torch.float32,
             device: Optional[torch.device] = None) -> "torch.nn.Module":
-    """Build our megatron-core GPTModel (for the current TP size) from a Hugging Face directory and load its weights."""
+    """Build our megatron-core GPTModel (for the current TP/EP sizes) from a Hugging Face directory and load its weights."""
     from nemo_spec.checkpoint import tp as tp_mod
     from nemo_spec.models import build_gpt
 
@@ -257,6 +257,7 @@ def load_hf(path: PathLike, params_dtype: torch.dtype = torch.float32,
     tp_size = parallel.tp_size()
     try:
         cfg.check_tensor_parallel(tp_size)
+        cfg.check_expert_parallel(parallel.ep_size())
     except ConfigError as e:
         raise HFCheckpointError(f"{source}: {e}") from e
     if cfg.vocab_size % tp_size:
@@ -273,8 +274,8 @@ def load_hf(path: PathLike, params_dtype: torch.dtype = torch.float32,
         from nemo_spec._cpu import default_device
 
         model = model.to(default_device())
-    log.info("loaded %s (%s, %d layers, hidden %d, vocab %d) at TP=%d", p, _MODEL_TYPE_TO_ARCH[mt],
-             cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tp_size)
+    log.info("loaded %s (%s, %d layers, hidden %d, vocab %d) at TP=%d EP=%d", p, _MODEL_TYPE_TO_ARCH[mt],
+             cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tp_size, parallel.ep_size())
     return model
 
 
@@ -320,7 +321,7 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
 def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional[PathLike] = None,
               dtype: Union[str, torch.dtype] = torch.float32, architecture: Optional[str] = None,
               overwrite: bool = False) -> Path:
-    """Write ``model`` (any TP; all ranks call) as an HF directory transformers loads; rank 0 writes atomically."""
+    """Write ``model`` (any TP/EP; all ranks call) as an HF directory transformers loads; rank 0 writes atomically."""
     import torch.distributed as dist
 
     from nemo_spec.checkpoint import tp as tp_mod

@@ -209,12 +209,14 @@ def speculative_config_from(cfg: Dict[str, Any], model_cfg: ModelConfig, source:
         raise CheckpointConfigError(f"{source}: field 'speculative': {e}") from e
 
 
-def check_tp(cfg: ModelConfig, tp: int, source: str) -> None:
-    """Raise CheckpointConfigError (naming ``source``) if TP size ``tp`` cannot shard ``cfg``."""
+def check_tp(cfg: ModelConfig, tp: int, source: str, ep: Optional[int] = None) -> None:
+    """Raise CheckpointConfigError (naming ``source``) if TP size ``tp`` (or EP size ``ep``, default: the current
+    one) cannot shard ``cfg``."""
     try:
         cfg.check_tensor_parallel(tp)
         if cfg.vocab_size % tp:
             raise ConfigError(f"tensor parallel size {tp} does not divide vocab_size={cfg.vocab_size}")
+        cfg.check_expert_parallel(parallel.ep_size() if ep is None else ep)
     except ConfigError as e:
         raise CheckpointConfigError(f"{source}: {e}") from e
 
@@ -356,6 +358,7 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         "format": FORMAT_NAME,
         "model": cfg.to_dict(),
         "tp_size_saved": parallel.tp_size(),
+        "ep_size_saved": parallel.ep_size(),
         "params_dtype": str(_params_dtype(module)).replace("torch.", ""),
         "checkpoint_format": "torch_dist",
     }
@@ -410,7 +413,7 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         if err is not None:
             raise CheckpointError(f"saving {target} failed ({type(err).__name__}: {err}); nothing was written") from err
         raise CheckpointError(f"saving {target} failed on another rank; nothing was written")
-    log.info("saved %s checkpoint to %s (tp=%d)", FORMAT_NAME, target, parallel.tp_size())
+    log.info("saved %s checkpoint to %s (tp=%d, ep=%d)", FORMAT_NAME, target, parallel.tp_size(), parallel.ep_size())
     return target
 
 
@@ -434,14 +437,24 @@ def _target_tp(tp_size: Optional[int]) -> int:
     return parallel.tp_size()
 
 
-def _ensure_parallel(tp: int) -> None:
+def _target_ep(ep_size: Optional[int]) -> int:
+    if ep_size is not None:
+        if not isinstance(ep_size, int) or ep_size < 1:
+            raise CheckpointConfigError(f"ep_size must be a positive int, got {ep_size!r}")
+        return ep_size
+    return parallel.ep_size()
+
+
+def _ensure_parallel(tp: int, ep: Optional[int] = None) -> None:
+    """Parallel state at TP ``tp`` and EP ``ep`` (default: keep the current EP size)."""
     from megatron.core import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized() or parallel.tp_size() != tp:
+    ep = parallel.ep_size() if ep is None else ep
+    if not parallel_state.model_parallel_is_initialized() or parallel.tp_size() != tp or parallel.ep_size() != ep:
         try:
-            parallel.initialize(tensor_parallel_size=tp)
+            parallel.initialize(tensor_parallel_size=tp, expert_parallel_size=ep)
         except ValueError as e:
-            raise CheckpointConfigError(f"cannot load at tp_size={tp}: {e}") from e
+            raise CheckpointConfigError(f"cannot load at tp_size={tp}, ep_size={ep}: {e}") from e
 
 
 def build_for_checkpoint(cfg: ModelConfig, spec: Optional[SpeculativeConfig], dtype: torch.dtype,
@@ -524,29 +537,32 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
         raise CheckpointError(f"{ckpt_dir}: no value loaded for {missing[:6]}")
 
 
-def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], base_only: bool) -> torch.nn.Module:
+def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], base_only: bool,
+              ep_size: Optional[int] = None) -> torch.nn.Module:
     cfg_dict = _read_own_config(p)
     source = str(p / CONFIG_NAME)
     cfg = model_config_from(cfg_dict, source)
     spec = None if base_only else speculative_config_from(cfg_dict, cfg, source)
-    tp = _target_tp(tp_size)
-    check_tp(cfg, tp, source)
+    tp, ep = _target_tp(tp_size), _target_ep(ep_size)
+    check_tp(cfg, tp, source, ep)
     if dtype is None:
         dtype = _DTYPES.get(str(cfg_dict.get("params_dtype", "float32")), torch.float32)
-    _ensure_parallel(tp)
+    _ensure_parallel(tp, ep)
     module = build_for_checkpoint(cfg, spec, dtype, source)
     load_dist_into(module, p, source)
-    log.info("loaded %s checkpoint %s (saved at tp=%s) at tp=%d", FORMAT_NAME, p, cfg_dict.get("tp_size_saved"), tp)
+    log.info("loaded %s checkpoint %s (saved at tp=%s, ep=%s) at tp=%d ep=%d", FORMAT_NAME, p,
+             cfg_dict.get("tp_size_saved"), cfg_dict.get("ep_size_saved", 1), tp, ep)
     return module
 
 
 def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-               base_only: bool = False) -> torch.nn.Module:
+               base_only: bool = False, ep_size: Optional[int] = None) -> torch.nn.Module:
     """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, NeMo 2 or Hugging Face checkpoint directory,
     or a llama.cpp GGUF file.
 
     The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
-    when it differs); weights are resharded exactly from whatever TP size the checkpoint was saved with.
+    when it differs; ``ep_size`` likewise for the expert-parallel size of a MoE model, default: keep the current
+    one); weights are resharded exactly from whatever TP/EP sizes the checkpoint was saved with.
     ``dtype`` defaults to the saved parameter dtype (float32 when unknown). ``base_only`` loads just the
     base GPTModel of a checkpoint that also holds a speculative draft.
     """
@@ -554,7 +570,7 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     p = Path(path).expanduser()
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
-        return _load_own(p, tp_size, dtype, base_only)
+        return _load_own(p, tp_size, dtype, base_only, ep_size)
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
@@ -572,8 +588,8 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
         _ensure_parallel(tp)
         return gguf.load_gguf(p, params_dtype=dtype or torch.float32)
     hf = _import_hf()
-    tp = _target_tp(tp_size)
+    tp, ep = _target_tp(tp_size), _target_ep(ep_size)
     cfg = read_checkpoint_config(p)
-    check_tp(model_config_from(cfg, str(p / "config.json")), tp, str(p / "config.json"))
-    _ensure_parallel(tp)
+    check_tp(model_config_from(cfg, str(p / "config.json")), tp, str(p / "config.json"), ep)
+    _ensure_parallel(tp, ep)
     return hf.load_hf(p, params_dtype=dtype or torch.float32)

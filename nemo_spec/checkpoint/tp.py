@@ -5,11 +5,20 @@ vocab-parallel embeddings/output layers on dim 0. The fused QKV weight is laid o
 group ([q heads of group g, k_g, v_g] for each g), so a dim-0 split gives each rank whole groups.
 A gated MLP's ``linear_fc1`` holds [gate; up]: each rank keeps [gate_r; up_r].
 Rules are matched on the parameter name; other modules (drafts) can register their own.
+
+Expert parallelism (EP): a MoE layer's ``mlp.experts.local_experts.{i}.*`` on EP rank ``r`` is global expert
+``r * (num_experts // EP) + i`` -- megatron-core 0.16.1 ``transformer/moe/moe_layer.py:101-110``
+(``num_local_experts = num_moe_experts // ep_size``, ``local_expert_indices = ep_rank * num_local_experts + i``)
+and ``transformer/moe/experts.py:941-948`` (``SequentialMLP.sharded_state_dict`` writes local expert ``i`` as
+global ``ep_group.rank() * num_local_experts + i``). A full state dict numbers experts globally; an EP shard keeps
+its rank's block of experts renumbered from 0, then each kept expert is TP-split like a dense MLP (experts are
+tensor-parallel over the same TP ranks). The router (``mlp.router.weight``) and everything else is replicated
+over EP.
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -66,14 +75,81 @@ def _merge(parts: List[torch.Tensor], kind: str, name: str) -> torch.Tensor:
     return torch.cat(parts, dim=1 if kind == ROW else 0)
 
 
+_EXPERT = re.compile(r"^(?P<pre>.*\.local_experts\.)(?P<e>\d+)(?P<post>\..+)$")
+
+
+def expert_name(name: str) -> Optional[Tuple[str, int, str]]:
+    """(prefix, expert index, suffix) of a SequentialMLP expert tensor name, else None."""
+    m = _EXPERT.match(name)
+    return (m.group("pre"), int(m.group("e")), m.group("post")) if m else None
+
+
+def _experts_by_layer(names: Iterable[str]) -> Dict[str, Set[int]]:
+    out: Dict[str, Set[int]] = {}
+    for k in names:
+        got = expert_name(k)
+        if got is not None:
+            out.setdefault(got[0], set()).add(got[1])
+    return out
+
+
+def ep_split_state_dict(full: Dict[str, torch.Tensor], ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
+    """The EP shard of ``rank``: its block of ``num_experts // ep_size`` experts per MoE layer, numbered from 0."""
+    if ep_size == 1:
+        return dict(full)
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} is not in [0, expert parallel size {ep_size})")
+    layers = _experts_by_layer(full)
+    if not layers:
+        raise ValueError(f"expert parallel size {ep_size} needs a mixture-of-experts state dict, but it has no "
+                         f"'local_experts.<i>.' tensors (a dense model)")
+    local: Dict[str, int] = {}
+    for pre, idx in layers.items():
+        n = len(idx)
+        if idx != set(range(n)):
+            raise ValueError(f"{pre}*: expert indices {sorted(idx)} are not 0..{n - 1}")
+        if n % ep_size:
+            raise ValueError(f"{pre}*: expert parallel size {ep_size} does not divide the {n} experts")
+        local[pre] = n // ep_size
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in full.items():
+        got = expert_name(k)
+        if got is None:
+            out[k] = v
+            continue
+        pre, e, post = got
+        first = ep_rank * local[pre]
+        if first <= e < first + local[pre]:
+            out[f"{pre}{e - first}{post}"] = v
+    return out
+
+
+def ep_merge_state_dicts(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Merge per-EP-rank shards (in EP rank order) into global expert numbering (non-expert entries from rank 0)."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    out = {k: v for k, v in shards[0].items() if expert_name(k) is None}
+    for r, shard in enumerate(shards):
+        layers = _experts_by_layer(shard)
+        for k, v in shard.items():
+            got = expert_name(k)
+            if got is None:
+                continue
+            pre, i, post = got
+            out[f"{pre}{r * len(layers[pre]) + i}{post}"] = v
+    return out
+
+
 def is_tensor_entry(name: str, value: object) -> bool:
     """True for real parameters/buffers (not megatron's ``_extra_state`` entries)."""
     return isinstance(value, torch.Tensor) and not name.endswith("_extra_state")
 
 
-def split_state_dict(full: Dict[str, torch.Tensor], rank: int, size: int, gated: bool) -> Dict[str, torch.Tensor]:
-    """The TP shard for ``rank`` of a full state dict."""
-    return {k: _split(v, shard_kind(k, gated), rank, size, k) for k, v in full.items() if is_tensor_entry(k, v)}
+def split_state_dict(full: Dict[str, torch.Tensor], rank: int, size: int, gated: bool, ep_rank: int = 0,
+                     ep_size: int = 1) -> Dict[str, torch.Tensor]:
+    """The shard for TP ``rank`` (and EP ``ep_rank``: its experts only) of a full state dict."""
+    full = ep_split_state_dict({k: v for k, v in full.items() if is_tensor_entry(k, v)}, ep_rank, ep_size)
+    return {k: _split(v, shard_kind(k, gated), rank, size, k) for k, v in full.items()}
 
 
 def merge_state_dicts(shards: List[Dict[str, torch.Tensor]], gated: bool) -> Dict[str, torch.Tensor]:
@@ -87,24 +163,31 @@ def merge_state_dicts(shards: List[Dict[str, torch.Tensor]], gated: bool) -> Dic
 
 
 def gather_full_state_dict(model: torch.nn.Module, gated: bool) -> Dict[str, torch.Tensor]:
-    """All-gather a TP-sharded model's state dict into a full (TP=1) one, on every rank (CPU tensors)."""
+    """All-gather a TP/EP-sharded model's state dict into a full (TP=1, EP=1) one, on every rank (CPU tensors)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from nemo_spec import parallel
+
     local = {k: v.detach().cpu() for k, v in model.state_dict().items() if is_tensor_entry(k, v)}
-    size = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    if size == 1:
-        return local
-    shards: List[Dict[str, torch.Tensor]] = [None] * size  # type: ignore[list-item]
-    dist.all_gather_object(shards, local, group=parallel_state.get_tensor_model_parallel_group())
-    return merge_state_dicts(shards, gated)
+    size, ep = parallel.tp_size(), parallel.ep_size()
+    if size > 1:  # the TP group is also the experts' TP group (expert_tensor_parallel_size == TP)
+        shards: List[Dict[str, torch.Tensor]] = [None] * size  # type: ignore[list-item]
+        dist.all_gather_object(shards, local, group=parallel_state.get_tensor_model_parallel_group())
+        local = merge_state_dicts(shards, gated)
+    if ep > 1:  # only the experts differ over EP
+        experts = {k: v for k, v in local.items() if expert_name(k) is not None}
+        parts: List[Dict[str, torch.Tensor]] = [None] * ep  # type: ignore[list-item]
+        dist.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
+        local = ep_merge_state_dicts([local] + parts[1:])
+    return local
 
 
 def load_full_state_dict(model: torch.nn.Module, full: Dict[str, torch.Tensor], gated: bool, strict: bool = True) -> None:
-    """Load a full state dict into a (possibly TP-sharded) model, taking this rank's shard."""
+    """Load a full state dict into a (possibly TP/EP-sharded) model, taking this rank's shard."""
     from nemo_spec import parallel
 
-    shard = split_state_dict(full, parallel.tp_rank(), parallel.tp_size(), gated)
+    shard = split_state_dict(full, parallel.tp_rank(), parallel.tp_size(), gated, parallel.ep_rank(), parallel.ep_size())
     own = {k: v for k, v in model.state_dict().items() if is_tensor_entry(k, v)}
     if strict:
         missing, unexpected = set(own) - set(shard), set(shard) - set(own)

@@ -367,8 +367,8 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     if parallel.is_rank_zero():
         log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), out_dir)
     if verify and fmt in DRAFT_FORMATS:
-        if parallel.tp_size() > 1:
-            log.warning("verification skipped under tensor parallelism; run scripts/verify_export.py %s "
+        if parallel.tp_size() > 1 or parallel.ep_size() > 1:
+            log.warning("verification skipped under tensor/expert parallelism; run scripts/verify_export.py %s "
                         "--checkpoint <ckpt>", out_dir)
         elif not include_base:
             log.warning("verification skipped: no base/ exported (the readers run the exported base)")

@@ -1,7 +1,8 @@
 """``scripts/export.py``: export a saved checkpoint (base + draft) to serving formats.
 
 Single process or under ``torchrun --nproc_per_node N`` (the checkpoint is loaded at TP = ``--tp_size``, default
-the world size, whatever TP it was saved with; rank 0 writes).
+the world size / ``--ep_size``, and a MoE base at EP = ``--ep_size``, whatever TP/EP it was saved with; rank 0
+writes).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving engine the draft is laid out for; all = draft/<engine>/ for every engine")
     p.add_argument("--no_verify", action="store_true",
                    help="skip reading the export back through every engine's conformance reader")
-    p.add_argument("--tp_size", type=int, default=None, help="tensor-parallel size to load at (default: world size)")
+    p.add_argument("--tp_size", type=int, default=None,
+                   help="tensor-parallel size to load at (default: world size / ep_size)")
+    p.add_argument("--ep_size", type=int, default=None, help="expert-parallel size of a MoE base (default 1)")
     return p
 
 
@@ -52,8 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     owns = not dist.is_initialized()
     try:
-        tp = args.tp_size or int(os.environ.get("WORLD_SIZE", "1"))
-        parallel.initialize(tensor_parallel_size=tp)
+        ep = args.ep_size or 1
+        tp = args.tp_size or max(1, int(os.environ.get("WORLD_SIZE", "1")) // ep)
+        parallel.initialize(tensor_parallel_size=tp, expert_parallel_size=ep)
         out = export_checkpoint(args.checkpoint, args.export_dir, fmt=args.format, dtype=args.dtype,
                                 overwrite=args.overwrite, include_base=not args.no_base, base_name=args.base_name,
                                 target=args.target, verify=not args.no_verify)

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-cache", type=int, default=None,
                    help="suffix: outputs kept in the model's global suffix store (later batches draft from them)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size of a MoE model (run under torchrun; "
+                   "TP x EP must divide the world size)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-stream", action="store_true", help="print each completion only when it is finished")
     p.add_argument("--stats-json", default=None, help="write per-request stats to this JSON file")
@@ -139,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     if tok_path is None:
         raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")
     tokenizer = load_tokenizer(tok_path)
-    parallel.initialize(tensor_parallel_size=args.tp or 1)
+    parallel.initialize(tensor_parallel_size=args.tp or 1, expert_parallel_size=args.ep or 1)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None

@@ -18,13 +18,14 @@ from nemo_spec import parallel
 
 def build_gpt(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
               device: Optional[torch.device] = None) -> GPTModel:
-    """Build a (tensor-parallel, per the current parallel state) megatron-core GPTModel for ``cfg``."""
+    """Build a (tensor- and expert-parallel, per the current parallel state) megatron-core GPTModel for ``cfg``."""
     apply_cpu_workarounds()
     tp = parallel.tp_size()
     cfg.check_tensor_parallel(tp)
     if cfg.vocab_size % tp:
         from nemo_spec.config import ConfigError
         raise ConfigError(f"tensor parallel size {tp} does not divide vocab_size={cfg.vocab_size}")
+    cfg.check_expert_parallel(parallel.ep_size())
     tcfg = transformer_config(cfg, tp, params_dtype)
     model = GPTModel(
         config=tcfg,
@@ -133,6 +134,8 @@ def gpt_forward(model: torch.nn.Module, input_ids: torch.Tensor, ctx: Optional[A
     """
     m = unwrap(model)
     b, s = input_ids.shape
+    if not torch.is_inference_mode_enabled():
+        parallel.drop_inference_buffers()
     if not foreign.is_project_spec(m):  # another layer spec: its own forward, hidden states captured by hooks
         if ctx is not None and (ctx.cache is not None or ctx.mask is not None or not _default_positions(ctx, s)):
             foreign.require_project_spec(m, "a forward with a KV cache, a mask or explicit positions")

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from nemo_spec import parallel
 from nemo_spec.config import ModelConfig
 from nemo_spec.models.attention import SDPACoreAttention
 
@@ -56,7 +57,10 @@ def transformer_config(cfg: ModelConfig, tp_size: int = 1, params_dtype: torch.d
             # all experts first and keep the top-k probabilities as they are (Qwen3-MoE norm_topk_prob=false)
             moe_router_pre_softmax=not cfg.moe_renormalize,
             moe_token_dispatcher_type="allgather",  # alltoall creates a torch.cuda.Stream (CPU); exact either way
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+            # experts are split over the EP group of the current parallel state (MoELayer reads the group; the
+            # config size must agree) and tensor-parallel inside each expert over the same TP ranks
+            expert_model_parallel_size=parallel.ep_size(), expert_tensor_parallel_size=tp_size)
     window = cfg.window_layers()
     return SpecTransformerConfig(
         **extra,

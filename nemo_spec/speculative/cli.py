@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token_counts", type=str, default=None,
                    help="EAGLE-3: token frequencies (.pt tensor or JSON list, length = base vocab) used to pick the "
                         "draft vocabulary (most frequent tokens); default: the first draft_vocab_size ids")
-    p.add_argument("--tp_size", type=int, default=None, help="tensor-parallel size (default: world size)")
+    p.add_argument("--tp_size", type=int, default=None, help="tensor-parallel size (default: world size / ep_size)")
+    p.add_argument("--ep_size", type=int, default=None, help="expert-parallel size of a MoE base (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --export_dir")
     return p
 
@@ -71,7 +72,8 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
               num_eagle_layers: Optional[int] = None, num_medusa_heads: Optional[int] = None,
               num_medusa_layers: Optional[int] = None, draft_vocab_size: Optional[int] = None,
               aux_layers: Optional[List[int]] = None, ttt_steps: Optional[int] = None,
-              token_counts: Optional[str] = None, tp_size: Optional[int] = None, overwrite: bool = False) -> Path:
+              token_counts: Optional[str] = None, tp_size: Optional[int] = None, overwrite: bool = False,
+              ep_size: Optional[int] = None) -> Path:
     """Load ``model_path``, apply SpeculativeTransform, save to ``export_dir``; returns the checkpoint path."""
     import torch.distributed as dist
 
@@ -90,12 +92,14 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
     cfg_dict = read_checkpoint_config(model_path)
     model_cfg = ModelConfig.from_dict(cfg_dict["model"], source=f"{model_path}: model config")
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    tp = tp_size or world
+    ep = ep_size or 1
+    tp = tp_size or max(1, world // ep)
     transform.validate_for(model_cfg, tp)  # draft vs base architecture, TP divisibility: before loading weights
+    model_cfg.check_expert_parallel(ep)
     counts = _load_counts(token_counts, model_cfg.vocab_size) if token_counts is not None else None
-    parallel.initialize(tensor_parallel_size=tp)
-    log.info("loading %s (tp=%d)", model_path, tp)
-    model = load_model(model_path, tp_size=tp)
+    parallel.initialize(tensor_parallel_size=tp, expert_parallel_size=ep)
+    log.info("loading %s (tp=%d, ep=%d)", model_path, tp, ep)
+    model = load_model(model_path, tp_size=tp, ep_size=ep)
     model = transform(model)
     if not isinstance(model, SpeculativeGPT):
         raise TypeError(f"expected a SpeculativeGPT after the transform, got {type(model).__name__}")
@@ -128,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   num_medusa_heads=args.num_medusa_heads, num_medusa_layers=args.num_medusa_layers,
                   draft_vocab_size=args.draft_vocab_size, aux_layers=_parse_aux(args.aux_layers),
                   ttt_steps=args.ttt_steps, token_counts=args.token_counts, tp_size=args.tp_size,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, ep_size=args.ep_size)
     except (ConfigError, CheckpointError, FileExistsError) as e:
         log.error("%s", e)
         return 2

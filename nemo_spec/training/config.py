@@ -51,6 +51,7 @@ class TrainerConfig:
     accelerator: str = "cpu"  # cpu | gpu
     precision: str = "32-true"  # 32-true on CPU, bf16-mixed on GPU
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1  # MoE base: experts split over EP ranks (TP x EP divides the world size)
     train_bs: int = 2  # micro-batch per data-parallel rank
     global_batch_size: Optional[int] = None  # None -> train_bs * data-parallel size (no accumulation)
     max_steps: int = 100
@@ -73,6 +74,10 @@ class TrainerConfig:
             raise ConfigError(f"trainer.precision must be 32-true, bf16-mixed or bf16-true, got {self.precision!r}")
         if self.train_bs < 1:
             raise ConfigError(f"trainer.train_bs must be >= 1, got {self.train_bs}")
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"trainer.{name} must be a positive int, got {v!r}")
         if self.max_steps < 1 and self.max_epochs < 1:
             raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive value")
         return self
@@ -109,6 +114,10 @@ class TrainConfig:
         if not self.train_base:
             self.spec.validate()
         self.trainer.validate()
+        if self.train_base and self.trainer.expert_parallel_size > 1:
+            raise ConfigError(f"train_base=true with trainer.expert_parallel_size={self.trainer.expert_parallel_size} "
+                              "is not supported: expert gradients would need the expert-data-parallel reduction "
+                              "(draft training at EP > 1 is; the base is frozen)")
         self.optim.validate()
         self.data.validate()
         if self.offline and not self.data.offline_dir:

@@ -50,6 +50,40 @@ def tp_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
     return (sharded + replicated).sqrt()
 
 
+def pad_for_expert_parallel(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Right-pad a [b, s] batch (pad id 0, loss_mask 0) to the largest b and s over the expert-parallel group.
+
+    megatron-core's allgather token dispatcher all-gathers equal-sized token blocks over the TP x EP ranks
+    (``token_dispatcher.py`` ``MoEAllGatherTokenDispatcher.token_dispatch``), and EP ranks are different
+    data-parallel ranks with their own micro-batches; padding never changes a masked-mean loss or (causal
+    attention) the real positions. A no-op at EP=1."""
+    from nemo_spec import parallel
+
+    if parallel.ep_size() == 1:
+        return batch
+    from megatron.core import parallel_state as ps
+
+    ids = batch["input_ids"]
+    b, s = ids.shape
+    size = torch.tensor([b, s], dtype=torch.long, device=ids.device)
+    torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    B, S = int(size[0]), int(size[1])
+    if (B, S) == (b, s):
+        return batch
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
+            padded = v.new_zeros((B, S) + tuple(v.shape[2:]))
+            padded[:b, :s] = v
+        elif torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == b:
+            padded = v.new_zeros((B,) + tuple(v.shape[1:]))
+            padded[:b] = v
+        else:
+            padded = v
+        out[k] = padded
+    return out
+
+
 def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> Dict[str, Any]:
     """Next-token cross-entropy of a plain GPTModel (vocab-parallel, correct at any TP size)."""
     from megatron.core import tensor_parallel
@@ -162,6 +196,8 @@ class SpeculativeLightningModule(pl.LightningModule):
     # ---- steps ------------------------------------------------------------------------------------------
     def compute_losses(self, batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
         """Loss dict for a batch (draft losses, or LM loss for a plain GPT)."""
+        if "base_hidden" not in batch:  # the base runs: its MoE layers need equal token counts over EP
+            batch = pad_for_expert_parallel(batch)
         ids, mask = batch["input_ids"], batch["loss_mask"]
         if not self.is_speculative:
             return lm_loss(self.model, ids, mask)

@@ -53,11 +53,14 @@ def save_resolved_config(cfg: TrainConfig, run_dir: Path, yaml_text: Optional[st
     return run_dir / "config.json"
 
 
-def planned_dp_size(tp: int) -> int:
+def planned_dp_size(tp: int, ep: int = 1) -> int:
     """Data-parallel size this process will run with (from torchrun's WORLD_SIZE)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % tp:
         raise ConfigError(f"trainer.tensor_parallel_size={tp} does not divide the world size {world}")
+    if world % (tp * ep):
+        raise ConfigError(f"trainer.expert_parallel_size={ep} x trainer.tensor_parallel_size={tp} = {tp * ep} does "
+                          f"not divide the world size {world}")
     return world // tp
 
 
@@ -81,7 +84,8 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
 def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: List[pl.Callback],
                   checkpoint_dir: Optional[Path] = None, loggers: bool = True) -> pl.Trainer:
     """A Lightning Trainer on the megatron-aware strategy with TensorBoard + CSV loggers."""
-    strategy = MegatronStrategy(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed, accelerator_kind=t.accelerator)
+    strategy = MegatronStrategy(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed, accelerator_kind=t.accelerator,
+                                expert_parallel_size=t.expert_parallel_size)
     cbs = list(callbacks)
     if checkpoint_dir is not None and t.ckpt_every_n_steps > 0:
         ckpt = AtomicLinkCheckpoint(dirpath=str(checkpoint_dir), filename="step{step:07d}",
@@ -159,10 +163,11 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     run_dir = Path(cfg.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     save_resolved_config(cfg, run_dir, yaml_text)
-    dp = planned_dp_size(t.tensor_parallel_size)
+    dp = planned_dp_size(t.tensor_parallel_size, t.expert_parallel_size)
     from nemo_spec import parallel
 
-    parallel.initialize(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed)  # the strategy reuses it
+    parallel.initialize(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed,
+                        expert_parallel_size=t.expert_parallel_size)  # the strategy reuses it
     accumulate = t.accumulation(dp)
     pl.seed_everything(t.seed, workers=True, verbose=False)
 
@@ -222,8 +227,8 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
         callbacks.append(tau_cb)
     trainer = build_trainer(t, run_dir, accumulate, callbacks, checkpoint_dir=ckpt_dir)
     resume = resolve_resume(cfg, ckpt_dir)
-    log.info("training: dp=%d tp=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
-             dp, t.tensor_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
+    log.info("training: dp=%d tp=%d ep=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
+             dp, t.tensor_parallel_size, t.expert_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
     with warnings.catch_warnings():
         # The data position is restored by SpeculativeLightningModule (sampler skip), not by Lightning.
         warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")

@@ -67,8 +67,9 @@ class MegatronStrategy(SingleDeviceStrategy):
     strategy_name = "nemo_spec_megatron"
 
     def __init__(self, tensor_parallel_size: int = 1, seed: int = 1234, accelerator_kind: str = "cpu",
-                 **kwargs: Any) -> None:
+                 expert_parallel_size: int = 1, **kwargs: Any) -> None:
         self.tensor_parallel_size = tensor_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.seed = seed
         if accelerator_kind == "gpu":
             if not torch.cuda.is_available():
@@ -80,8 +81,9 @@ class MegatronStrategy(SingleDeviceStrategy):
 
     # ---- process group / ranks ----------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        """Initialise torch.distributed + megatron parallel state (TP from the config)."""
-        parallel.initialize(tensor_parallel_size=self.tensor_parallel_size, seed=self.seed)
+        """Initialise torch.distributed + megatron parallel state (TP and EP from the config)."""
+        parallel.initialize(tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
+                            expert_parallel_size=self.expert_parallel_size)
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -211,6 +213,7 @@ class MegatronStrategy(SingleDeviceStrategy):
                 dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
             if rank0:
                 meta = {"format": CKPT_FORMAT, "tensor_parallel_size": parallel.tp_size(),
+                        "expert_parallel_size": parallel.ep_size(),
                         "data_parallel_size": dp_rank_size()[1], "global_step": checkpoint.get("global_step"),
                         "epoch": checkpoint.get("epoch"), "trainable_keys": sorted(params)}
                 (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last file: marks the save complete

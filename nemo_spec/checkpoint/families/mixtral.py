@@ -41,6 +41,6 @@ FAMILY = Family(
               ("moe_renormalize", is_(True), "True (Mixtral always renormalises the top-k)"),
               ("sliding_window_layers", lambda v: v is None, "None (Mixtral's window covers every layer)")),
     auto=lambda c: c.num_moe_experts is not None and not c.qk_layernorm,
-    limits=Limits(moe="top-k softmax, renormalised", expert_parallel="not wired (see below)",
+    limits=Limits(moe="top-k softmax, renormalised", expert_parallel="yes (allgather dispatcher)",
                   sliding_window="all layers", engines=ENGINES),
 )

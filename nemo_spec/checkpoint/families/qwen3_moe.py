@@ -46,7 +46,7 @@ FAMILY = Family(
               ("add_qkv_bias", is_(False), "False"), ("num_moe_experts", not_none, "an int"),
               ("sliding_window_layers", lambda v: v is None, "None (the window covers every layer)")),
     auto=lambda c: c.qk_layernorm and c.num_moe_experts is not None,
-    limits=Limits(moe="top-k softmax, norm_topk_prob", expert_parallel="not wired (see below)",
+    limits=Limits(moe="top-k softmax, norm_topk_prob", expert_parallel="yes (allgather dispatcher)",
                   sliding_window="all layers (use_sliding_window)", engines=ENGINES_NO_REFERENCE,
                   notes="no dense layers (mlp_only_layers)"),
 )
