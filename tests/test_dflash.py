@@ -1,0 +1,164 @@
+"""DFlash: configuration, KV-injection attention (training blocks == one-block drafting), loss, checkpoints,
+proposer, export through the engine readers."""
+import pytest
+import torch
+
+from nemo_spec.config import ConfigError, SpeculativeConfig
+from nemo_spec.models import build_gpt
+from nemo_spec.speculative import SpeculativeTransform
+from nemo_spec.speculative.dflash import DFlashContext, DFlashDraft, sample_anchors
+from tests.helpers import tiny_gpt2, tiny_llama
+
+torch.set_num_threads(1)
+
+
+def _model(seed=0, perturb=True, base_cfg=None, **kw):
+    torch.manual_seed(seed)
+    base = build_gpt(base_cfg or tiny_llama(num_layers=4, init_method_std=0.1))
+    args = dict(algorithm="dflash", num_layers=2, block_size=4, target_layer_ids=[0, 2], mask_token_id=7)
+    args.update(kw)
+    m = SpeculativeTransform(**args)(base)
+    if perturb:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in m.draft_parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+def test_transform_validates_dflash_settings():
+    m = _model(perturb=False)
+    d = m.eagle_module
+    assert isinstance(d, DFlashDraft) and not m.is_eagle and m.aux_layers == [0, 2]
+    assert d.fc.weight.shape == (64, 2 * 64) and len(d.layers) == 2 and m.spec_config.num_eagle_layers == 2
+    # Qwen3-style layers: per-head q/k RMSNorm; no embedding or LM head of its own
+    assert d.layers[0].self_attention.q_layernorm.weight.shape == (16,)
+    assert not any("embed" in n or "output_layer" in n for n, _ in d.named_parameters())
+    with pytest.raises(ConfigError, match="block_size must be an int >= 2"):
+        SpeculativeTransform(algorithm="dflash", block_size=1)
+    with pytest.raises(ConfigError, match="only apply to algorithm='dflash'"):
+        SpeculativeTransform(algorithm="eagle3", block_size=8)
+    with pytest.raises(ConfigError, match="distinct and increasing"):
+        SpeculativeTransform(algorithm="dflash", target_layer_ids=[2, 0])
+    with pytest.raises(ConfigError, match="target_layer_ids entry 3 outside"):  # the last layer is refused
+        SpeculativeTransform(algorithm="dflash", target_layer_ids=[0, 3])(build_gpt(tiny_llama(num_layers=4)))
+    with pytest.raises(ConfigError, match="not aux_layers"):
+        SpeculativeTransform(algorithm="dflash", aux_layers=[0, 1, 2])
+    with pytest.raises(ConfigError, match="disagree"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2, num_eagle_layers=3)
+    with pytest.raises(ConfigError, match="target_layer_ids is only used by dflash"):
+        SpeculativeConfig(algorithm="eagle3", target_layer_ids=[1]).validate()
+    with pytest.raises(ConfigError, match="mask_token_id=500 outside"):
+        SpeculativeTransform(algorithm="dflash", mask_token_id=500, target_layer_ids=[0])(build_gpt(tiny_llama()))
+    # defaults: the reference's build_target_layer_ids and the pad / last id as mask, fixed in the stored config
+    m8 = SpeculativeTransform(algorithm="dflash", num_layers=3)(build_gpt(tiny_llama(num_layers=8)))
+    assert m8.spec_config.target_layer_ids == [1, 3, 5] and m8.spec_config.mask_token_id == 95
+    assert SpeculativeTransform(algorithm="dflash")(build_gpt(tiny_llama(num_layers=4))).aux_layers == [2]
+    with pytest.raises(ConfigError, match=">= 4 layers"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2)(build_gpt(tiny_llama(num_layers=3)))
+    # re-applying: same shape is a no-op (block size may change), other target layers are refused
+    assert SpeculativeTransform(algorithm="dflash", num_layers=2, block_size=6)(m) is m
+    assert m.spec_config.block_size == 6
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2, target_layer_ids=[0, 1])(m)
+    assert SpeculativeConfig().resolved_loss_decay_gamma() == 7.0
+
+
+def test_any_base_gpt2_and_qwen3():
+    for cfg in (tiny_gpt2(num_layers=3), tiny_llama(num_layers=3, qk_layernorm=True, sliding_window=4)):
+        m = SpeculativeTransform(algorithm="dflash", target_layer_ids=[1])(build_gpt(cfg))
+        res = m.training_losses(torch.randint(0, 90, (2, 12)))
+        assert torch.isfinite(res["loss"]) and len(res["step_losses"]) == 15
+
+
+def test_hydra_spec_group_composes():
+    from nemo_spec.training.cli import compose, typed_config
+
+    tc, _ = typed_config(compose(["model_path=/m", "spec=dflash", "data.path=/d", "spec.block_size=8"]))
+    assert tc.spec.algorithm == "dflash" and tc.spec.block_size == 8 and tc.spec.num_eagle_layers == 2
+
+
+# ---- attention: training blocks == drafting one block over its prefix ----------------------------------------
+def _one_block(m, ids, feats, p, B):
+    """The draft's block anchored at p drafted alone, context = base features of positions < p."""
+    d = m.eagle_module
+    tok = torch.full((1, B), d.mask_token_id, dtype=torch.long)
+    tok[0, 0] = ids[0, p]
+    ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None], target=feats[:, :p].transpose(0, 1),
+                        ctx_position_ids=torch.arange(p)[None])
+    return d(m.gpt, tok, ctx)[0][0]
+
+
+def test_training_blocks_equal_one_block_drafting():
+    m = _model(seed=1)
+    B = m.spec_config.block_size
+    ids = torch.randint(0, 90, (1, 20))
+    with torch.no_grad():
+        out = m.base_forward(ids, compute_logits=False)
+        feats = m.fuse(m.base_features(out))
+        res = m.training_losses(ids, base_out=out, return_logits=True)
+    hid, anchors, keep = res["hidden"], res["anchors"], res["keep"]
+    assert keep.all() and anchors.shape[1] == 19  # every p in [0, s - 1) is an anchor (num_anchors 512)
+    for n in (0, 1, 7, 18):
+        p = int(anchors[0, n])
+        torch.testing.assert_close(hid[0, n * B:(n + 1) * B], _one_block(m, ids, feats, p, B), rtol=1e-4, atol=1e-5)
+
+
+def test_training_chunks_do_not_change_the_result(monkeypatch):
+    import nemo_spec.speculative.dflash as dfl
+
+    m = _model(seed=2)
+    ids = torch.randint(0, 90, (2, 16))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[1, 9:] = False  # ragged: row 1 has fewer anchors
+    with torch.no_grad():
+        a = m.training_losses(ids, lm, return_logits=True)["hidden"]
+        torch.manual_seed(0)
+        monkeypatch.setattr(dfl, "DFLASH_CHUNK_ELEMENTS", 1)  # one block per chunk
+        b = m.training_losses(ids, lm, return_logits=True)
+    keep = b["keep"].repeat_interleave(4, 1)
+    torch.testing.assert_close(a[keep], b["hidden"][keep], rtol=1e-4, atol=1e-5)
+
+
+def test_anchor_sampling_follows_the_loss_mask():
+    lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    anchors, keep = sample_anchors(lm, 10, torch.Generator().manual_seed(0))
+    assert anchors[0][keep[0]].tolist() == [1, 2, 5] and anchors[1][keep[1]].tolist() == [0]
+    anchors, keep = sample_anchors(lm, 2, torch.Generator().manual_seed(0))
+    assert keep.sum(1).tolist() == [2, 1] and set(anchors[0].tolist()) <= {1, 2, 5}
+
+
+def test_loss_weights_and_training_lowers_it():
+    m = _model(seed=3, perturb=False)
+    m.train()
+    base_before = {k: v.clone() for k, v in m.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    torch.manual_seed(0)
+    data = torch.randint(0, 12, (4, 24))  # a small alphabet: learnable quickly
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        res = m.training_losses(data)
+        opt.zero_grad()
+        res["loss"].backward()
+        opt.step()
+        losses.append(float(res["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all(torch.equal(v, m.gpt.state_dict()[k]) for k, v in base_before.items())  # base bit-identical
+    assert all(p.grad is None for p in m.gpt.parameters())
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    from nemo_spec.checkpoint import load_model, read_checkpoint_config, save_checkpoint
+
+    m = _model(seed=4)
+    path = save_checkpoint(m, tmp_path / "df")
+    conf = read_checkpoint_config(path)["speculative"]
+    assert conf["algorithm"] == "dflash" and conf["target_layer_ids"] == [0, 2] and conf["block_size"] == 4
+    loaded = load_model(path)
+    assert loaded.spec_config == m.spec_config and isinstance(loaded.eagle_module, DFlashDraft)
+    a, b = m.state_dict(), loaded.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+    ids = torch.randint(0, 90, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m.training_losses(ids)["loss"], loaded.eval().training_losses(ids)["loss"])
