@@ -162,3 +162,28 @@ def test_checkpoint_roundtrip(tmp_path):
     ids = torch.randint(0, 90, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(m.training_losses(ids)["loss"], loaded.eval().training_losses(ids)["loss"])
+
+
+# ---- generation: the cached context == the uncached block forward (ragged rows) ---------------------------------
+def test_cached_context_block_equals_uncached_block():
+    m = _model(seed=5)
+    d = m.eagle_module
+    B = 4
+    ids = torch.randint(0, 90, (2, 14))
+    lens = [9, 5]  # row 1 is shorter: ragged context
+    with torch.no_grad():
+        feats = m.fuse(m.base_features(m.base_forward(ids, compute_logits=False)))
+        cache = m.new_draft_cache(2, 32)
+        # inject in two pieces per row (prefill chunk, then a "verified path"), right-padded
+        d.write_context(cache, feats[:, :3], torch.tensor([3, 3]))
+        rest = torch.zeros(2, 6, feats.shape[-1])
+        rest[0, :6], rest[1, :2] = feats[0, 3:9], feats[1, 3:5]
+        d.write_context(cache, rest, torch.tensor([6, 2]))
+        assert cache.lengths.tolist() == lens
+        tok = torch.full((2, B), d.mask_token_id, dtype=torch.long)
+        tok[:, 0] = torch.tensor([ids[0, 9], ids[1, 5]])
+        pos = cache.lengths[:, None] + torch.arange(B)[None]
+        got = d(m.gpt, tok, DFlashContext(position_ids=pos, cache=cache, kv_len=9))[0]
+        for r, p in enumerate(lens):
+            torch.testing.assert_close(got[r], _one_block(m, ids[r:r + 1], feats[r:r + 1], p, B), rtol=1e-4,
+                                       atol=1e-5)

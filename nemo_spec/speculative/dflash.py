@@ -251,6 +251,26 @@ class DFlashDraft(MegatronModule):
         """Context features [..., len(ids) * h] -> hidden_norm(fc(features)) [..., h]."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
+    def write_context(self, cache, fused: torch.Tensor, counts: torch.Tensor) -> None:
+        """Inject context: the keys/values of fused features [b, n, h] (row r's first ``counts[r]`` are real) at
+        positions ``cache.lengths ..`` into every layer's rows of ``cache`` (a draft KVCache or a view of one),
+        then commit them (``lengths += counts``). The context passes only each layer's k/v projection and k_norm
+        (what vLLM 0.33.0 ``precompute_and_store_context_kv`` does, qwen3_dflash.py:633-708)."""
+        b, n = fused.shape[:2]
+        if n == 0:
+            return
+        dev = fused.device
+        pos = cache.lengths[:b, None] + torch.arange(n, device=dev)[None]  # draft cache slot == position
+        slots = pos.clamp(max=cache.max_len - 1)
+        x = fused.transpose(0, 1).to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attention
+            _, k, v = attn.get_query_key_value_tensors(x)[:3]  # [n, b, g, d]
+            core = attn.core_attention
+            k = apply_rope(k.permute(1, 2, 0, 3), pos, core.inv_freq)  # [b, g, n, d]
+            cache.write(i, slots, k.transpose(1, 2), v.transpose(0, 1))
+        cache.lengths[:b] += counts.to(cache.lengths.dtype)
+
     def forward(self, base: torch.nn.Module, block_ids: torch.Tensor, ctx: DFlashContext, gather: bool = True,
                 head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Block tokens [b, q] (context in ``ctx``) -> (normed draft hidden [b, q, h], logits [b, q, V] | None)."""
