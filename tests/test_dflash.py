@@ -187,3 +187,96 @@ def test_cached_context_block_equals_uncached_block():
         for r, p in enumerate(lens):
             torch.testing.assert_close(got[r], _one_block(m, ids[r:r + 1], feats[r:r + 1], p, B), rtol=1e-4,
                                        atol=1e-5)
+
+
+# ---- export: the z-lab format through the SGLang 0.5.23 / vLLM 0.33.0 / z-lab readers -----------------------
+def _trained(seed=6, steps=15):
+    m = _model(seed=seed)
+    m.train()
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    data = torch.randint(0, 20, (4, 20))
+    for _ in range(steps):
+        loss = m.training_losses(data)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from nemo_spec.export import export_model
+
+    m = _trained()
+    d = tmp_path_factory.mktemp("dflash_export") / "exp"
+    export_model(m, d, fmt="auto", dtype="fp32", target="all", verify=True)  # verify raises on any mismatch
+    return m, d
+
+
+def test_export_round_trips_through_every_engine_reader(exported):
+    import json
+
+    from nemo_spec.export.engines import verify_export
+
+    m, d = exported
+    info = json.loads((d / "export_info.json").read_text())
+    assert info["format"] == "dflash" and sorted(info["engines"]) == ["reference", "sglang", "vllm"]
+    conf = json.loads((d / "draft" / "sglang" / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 4
+    assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]}
+    assert "eagle_aux_hidden_state_layer_ids" not in conf and conf["rope_theta"] == 10000.0
+    rows = verify_export(d, model=m, seq_len=11)
+    assert {r.engine: r.status for r in rows} == {"base": "ok", "vllm": "ok", "sglang": "ok", "reference": "ok"}
+    assert all(r.max_abs_diff < 1e-4 for r in rows), rows
+    assert "DFLASH" in (d / "README.md").read_text() and '"method": "dflash"' in (d / "README.md").read_text()
+
+
+def test_readers_catch_broken_exports(exported, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export.engines import verify_export
+
+    m, d = exported
+
+    def broken(edit_conf=None, edit_w=None):
+        out = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d, out)
+        for eng in ("vllm", "sglang", "reference"):
+            p = out / "draft" / eng
+            conf = json.loads((p / "config.json").read_text())
+            if edit_conf:
+                edit_conf(conf)
+            (p / "config.json").write_text(json.dumps(conf))
+            if edit_w:
+                w = load_file(p / "model.safetensors")
+                edit_w(w)
+                save_file(w, p / "model.safetensors")
+        return {r.engine: r for r in verify_export(out, model=m, seq_len=11) if r.engine != "base"}
+
+    # the off-by-one: ids naming the residual entering each layer (vLLM's own numbering) shift every reader
+    rows = broken(lambda c: c["dflash_config"].update(target_layer_ids=[1, 3]))
+    assert all(r.status == "mismatch" for r in rows.values()), rows
+    # vLLM takes eagle_aux_hidden_state_layer_ids as is (no +1): written in z-lab numbering it is wrong for vLLM
+    rows = broken(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2]))
+    assert rows["vllm"].status == "mismatch" and rows["sglang"].status == rows["reference"].status == "ok"
+    rows = broken(lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=64))  # causal in vLLM
+    assert rows["vllm"].status == "mismatch"
+    rows = broken(lambda c: c["dflash_config"].update(mask_token_id=8))
+    assert all(r.status == "mismatch" for r in rows.values())
+    rows = broken(edit_w=lambda w: w.pop("layers.1.self_attn.k_norm.weight"))
+    assert all(r.status == "mismatch" and "k_norm" in r.detail for r in rows.values())
+    rows = broken(edit_w=lambda w: w.update(mask_hidden=torch.zeros(1, 1, 128)))
+    assert rows["vllm"].status == "mismatch" and "mask_hidden" in rows["vllm"].detail
+
+
+def test_import_draft_restores_the_draft(exported):
+    from nemo_spec.export import import_draft
+
+    m, d = exported
+    fresh = _model(seed=9)
+    assert import_draft(fresh, d) == "dflash"
+    a, b = m.eagle_module.state_dict(), fresh.eagle_module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
