@@ -280,3 +280,20 @@ def test_import_draft_restores_the_draft(exported):
     assert import_draft(fresh, d) == "dflash"
     a, b = m.eagle_module.state_dict(), fresh.eagle_module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+
+
+def test_offline_base_states_give_the_online_loss():
+    from nemo_spec.training.offline import base_output_from_batch
+
+    m = _model(seed=7)
+    ids = torch.randint(0, 90, (2, 16))
+    with torch.no_grad():
+        out = m.base_forward(ids, compute_logits=False)
+        batch = {"input_ids": ids, "base_hidden": out.hidden, "base_aux": torch.stack(out.aux_hidden, 2)}
+        stored = base_output_from_batch(m, batch)
+        assert stored.logits is None  # DFlash's hard targets need no base logits
+        torch.manual_seed(0)
+        online = m.training_losses(ids)["loss"]
+        torch.manual_seed(0)
+        offline = m.training_losses(ids, base_out=stored)["loss"]
+    torch.testing.assert_close(online, offline)
