@@ -163,7 +163,7 @@ class ModelConfig:
         return dataclass_from_dict(cls, d, source)
 
 
-ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle")
+ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle", "dflash")
 #: algorithms whose draft is an EAGLE-3-style head (aux-layer features, fc, own lm_head over a draft vocabulary)
 EAGLE3_LIKE = ("eagle3", "peagle")
 
@@ -173,21 +173,25 @@ class SpeculativeConfig:
     """Which draft to attach to the base model, and its shape."""
 
     algorithm: str = "eagle3"
-    num_eagle_layers: int = 1
+    num_eagle_layers: int = 1  # draft decoder layers (EAGLE-1/3, P-EAGLE, DFlash)
     num_medusa_heads: int = 4
     num_medusa_layers: int = 1
     draft_vocab_size: Optional[int] = None  # EAGLE-3 only; None -> base vocab
     aux_layers: Optional[List[int]] = None  # EAGLE-3 only; None -> default low/mid/high
     ttt_steps: int = 3  # EAGLE-3 training-time-test unroll depth
     parallel_depth: int = 4  # P-EAGLE: tokens drafted per step in one forward (training depths)
-    mask_token_id: Optional[int] = None  # P-EAGLE: id of the mask placeholder; None -> pad id, else vocab_size - 1
+    mask_token_id: Optional[int] = None  # P-EAGLE / DFlash: mask placeholder id; None -> pad id, else vocab_size - 1
     cod_ratio: float = 0.8  # P-EAGLE COD sampling: depth d keeps max(r^d, r_min) of the anchors
     cod_ratio_min: float = 0.2  # P-EAGLE COD sampling floor r_min
+    block_size: int = 16  # DFlash: block [last token, MASK x (B-1)] drafted in one forward (B - 1 draft tokens)
+    target_layer_ids: Optional[List[int]] = None  # DFlash: 0-based base layers whose outputs are fused; None -> ref.
+    num_anchors: int = 512  # DFlash training: random anchors (blocks) per sequence
+    loss_decay_gamma: Optional[float] = None  # DFlash: CE weight exp(-(k-1)/gamma) of slot k; None -> by block size
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
         """Raise ConfigError naming the invalid field; returns self."""
         _check(self.algorithm in ALGORITHMS, f"unknown speculative algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
-        if self.algorithm in ("eagle1", "eagle3", "peagle"):
+        if self.algorithm in ("eagle1", "eagle3", "peagle", "dflash"):
             _check(isinstance(self.num_eagle_layers, int) and self.num_eagle_layers > 0,
                    f"num_eagle_layers must be > 0 for {self.algorithm}, got {self.num_eagle_layers!r}")
         if self.algorithm == "medusa":
@@ -196,6 +200,31 @@ class SpeculativeConfig:
             _check(isinstance(self.num_medusa_layers, int) and self.num_medusa_layers > 0,
                    f"num_medusa_layers must be > 0, got {self.num_medusa_layers!r}")
         _check(isinstance(self.ttt_steps, int) and self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps!r}")
+        if self.algorithm == "dflash":
+            _check(_is_int(self.block_size) and self.block_size >= 2,
+                   f"block_size must be an int >= 2 for dflash (one anchor + at least one draft slot), "
+                   f"got {self.block_size!r}")
+            _check(_is_int(self.num_anchors) and self.num_anchors >= 1,
+                   f"num_anchors must be an int >= 1, got {self.num_anchors!r}")
+            if self.loss_decay_gamma is not None:
+                g = self.loss_decay_gamma
+                _check(isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0,
+                       f"loss_decay_gamma must be a number > 0 or null, got {g!r}")
+            if self.target_layer_ids is not None:
+                ids = self.target_layer_ids
+                _check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(_is_int(i) for i in ids),
+                       f"target_layer_ids must be a non-empty list of ints, got {ids!r}")
+                _check(list(ids) == sorted(set(ids)),
+                       f"target_layer_ids must be distinct and increasing (the engines capture base layers in "
+                       f"layer order), got {list(ids)}")
+            _check(self.aux_layers is None, "aux_layers is not used by dflash (its base layers are target_layer_ids)")
+            _check(self.draft_vocab_size is None, "draft_vocab_size is not used by dflash (it reuses the base's "
+                                                  "embedding and LM head over the full vocabulary)")
+        else:
+            _check(self.target_layer_ids is None, f"target_layer_ids is only used by dflash, not {self.algorithm}")
+        if self.algorithm in ("peagle", "dflash") and self.mask_token_id is not None:
+            _check(_is_int(self.mask_token_id) and self.mask_token_id >= 0,
+                   f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
         if self.algorithm == "peagle":
             _check(isinstance(self.parallel_depth, int) and not isinstance(self.parallel_depth, bool)
                    and self.parallel_depth >= 1, f"parallel_depth must be an int >= 1 for peagle, got {self.parallel_depth!r}")
@@ -206,8 +235,8 @@ class SpeculativeConfig:
             if self.mask_token_id is not None:
                 _check(isinstance(self.mask_token_id, int) and not isinstance(self.mask_token_id, bool)
                        and self.mask_token_id >= 0, f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
-        else:
-            _check(self.mask_token_id is None, f"mask_token_id is only used by peagle, not {self.algorithm}")
+        elif self.algorithm != "dflash":
+            _check(self.mask_token_id is None, f"mask_token_id is only used by peagle and dflash, not {self.algorithm}")
         if model is not None:
             if self.draft_vocab_size is not None:
                 _check(self.algorithm in EAGLE3_LIKE, f"draft_vocab_size is only used by {EAGLE3_LIKE}")
@@ -220,7 +249,41 @@ class SpeculativeConfig:
             if self.mask_token_id is not None:
                 _check(self.mask_token_id < model.vocab_size,
                        f"mask_token_id={self.mask_token_id} outside the base vocabulary [0, {model.vocab_size})")
+            if self.algorithm == "dflash":
+                self.resolved_target_layer_ids(model.num_layers)  # raises ConfigError when out of range
         return self
+
+    def resolved_target_layer_ids(self, num_layers: int) -> List[int]:
+        """DFlash: the 0-based base layers whose outputs feed the draft (z-lab ``hidden_states[id + 1]``).
+
+        The default is the reference's ``build_target_layer_ids`` (z-lab dflash/model.py:27-36, SGLang
+        dflash_utils.py:348-385): one layer per draft layer, spread over [1, L - 3]; one draft layer -> [L // 2].
+        The last base layer is refused: HF's ``hidden_states[L]`` is after the final norm while vLLM / SGLang
+        capture the residual entering layer ``id + 1`` (vLLM eagle3_utils.py:121-124), which does not exist for it.
+        """
+        ids = self.target_layer_ids
+        if ids is None:
+            n = self.num_eagle_layers
+            if n == 1:
+                ids = [num_layers // 2]
+            else:
+                start, end = 1, num_layers - 3
+                _check(end >= start, f"dflash: the default target_layer_ids need a base of >= 4 layers (got "
+                                     f"{num_layers}); pass target_layer_ids")
+                ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+                ids = sorted(set(ids))
+        for i in ids:
+            _check(0 <= i < num_layers - 1,
+                   f"dflash target_layer_ids entry {i} outside [0, {num_layers - 1}) (base has {num_layers} layers; "
+                   f"the last layer's output is not a capture point the serving engines share)")
+        return [int(i) for i in ids]
+
+    def resolved_loss_decay_gamma(self) -> float:
+        """DFlash loss decay gamma: ``loss_decay_gamma``, else the paper's 7 / 5 / 4 for block 16 / 10 / 8 and
+        7 (B - 1) / 15 for other block sizes."""
+        if self.loss_decay_gamma is not None:
+            return float(self.loss_decay_gamma)
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * (self.block_size - 1) / 15.0)
 
     def resolved_mask_token_id(self, model: ModelConfig) -> int:
         """P-EAGLE mask placeholder id: ``mask_token_id``, else the base's pad id, else its last vocabulary id."""
@@ -243,6 +306,10 @@ class SpeculativeConfig:
     def from_dict(cls, d: Dict[str, Any], source: str = "<dict>") -> "SpeculativeConfig":
         """Build from a dict, rejecting unknown fields."""
         return dataclass_from_dict(cls, d, source)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def dump_json(obj: Dict[str, Any]) -> str:

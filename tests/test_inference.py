@@ -37,7 +37,8 @@ def _noisy_copy(model, scale=0.002, seed=1):
 
 def _spec(model, alg):
     kw = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
-          "peagle": {"draft_vocab_size": 64, "num_eagle_layers": 2, "parallel_depth": 3, "mask_token_id": 95}}.get(alg, {})
+          "peagle": {"draft_vocab_size": 64, "num_eagle_layers": 2, "parallel_depth": 3, "mask_token_id": 95},
+          "dflash": {"num_layers": 2, "block_size": 4, "target_layer_ids": [0], "mask_token_id": 95}}.get(alg, {})
     torch.manual_seed(3)
     spec = SpeculativeTransform(algorithm=alg, **kw)(_clone(model))
     if alg in ("eagle3", "peagle"):
@@ -82,7 +83,7 @@ def _joining(model, method, draft, ref, opts=None):
 
 CASES = [("prompt_lookup", None), ("draft_model", "random"), ("draft_model", "noisy"), ("eagle", "eagle1"),
          ("eagle", "eagle3"), ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-         ("peagle", "peagle")]
+         ("peagle", "peagle"), ("dflash", "dflash")]
 
 
 @pytest.mark.parametrize("method,kind", CASES)
@@ -267,7 +268,7 @@ def trained(llama):
     seqs = [p + o.tokens for p, o in zip(prompts, generate(m, prompts, SamplingParams(max_new_tokens=28)))]
     data = torch.tensor([s[:29] for s in seqs])
     specs = {}
-    for alg, steps in [("eagle1", 60), ("eagle3", 40), ("medusa", 60), ("peagle", 40)]:
+    for alg, steps in [("eagle1", 60), ("eagle3", 40), ("medusa", 60), ("peagle", 40), ("dflash", 40)]:
         spec = _spec(m, alg)
         opt = torch.optim.Adam(list(spec.draft_parameters()), lr=3e-3)
         spec.train()
@@ -281,7 +282,8 @@ def trained(llama):
 
 
 @pytest.mark.parametrize("method,kind", [("eagle", "eagle1"), ("eagle_tree", "eagle1"), ("eagle", "eagle3"),
-                                         ("eagle_tree", "eagle3"), ("medusa", "medusa"), ("peagle", "peagle")])
+                                         ("eagle_tree", "eagle3"), ("medusa", "medusa"), ("peagle", "peagle"),
+                                         ("dflash", "dflash")])
 def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, method, kind):
     m, ref = llama
     outs = generate(trained[kind], PROMPTS, SamplingParams(max_new_tokens=10), method=method, options=OPTS)

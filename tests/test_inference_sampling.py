@@ -33,14 +33,15 @@ def setup():
     draft = build_gpt(_cfg(num_layers=1)).eval()
     specs = {}
     for alg, kw in [("eagle1", {}), ("eagle3", {"draft_vocab_size": 4}), ("medusa", {"num_medusa_heads": 2}),
-                    ("peagle", {"draft_vocab_size": 4, "parallel_depth": 2, "mask_token_id": 5})]:
+                    ("peagle", {"draft_vocab_size": 4, "parallel_depth": 2, "mask_token_id": 5}),
+                    ("dflash", {"num_layers": 2, "block_size": 3, "target_layer_ids": [0], "mask_token_id": 5})]:
         clone = build_gpt(model_config(target)).eval()
         clone.load_state_dict(target.state_dict())
         torch.manual_seed(11)
         spec = SpeculativeTransform(algorithm=alg, **kw)(clone)
         if alg in ("eagle3", "peagle"):
             spec.set_draft_vocab(torch.tensor([1.0, 5, 4, 3, 2, 0.5]))
-        if alg == "medusa":  # make the heads disagree with the base head
+        if alg in ("medusa", "dflash"):  # make the heads disagree with the base head (DFlash: varied drafts)
             with torch.no_grad():
                 for p in spec.draft_parameters():
                     p.add_(torch.randn_like(p) * 0.1)
@@ -68,7 +69,7 @@ def _stat(setup, method, kind=None, joining=False):
 @pytest.mark.parametrize("joining", [False, True], ids=["fixed", "joining"])
 @pytest.mark.parametrize("method,kind", [("ar", None), ("prompt_lookup", None), ("draft_model", None),
                                          ("eagle", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-                                         ("peagle", "peagle")])
+                                         ("peagle", "peagle"), ("dflash", "dflash")])
 def test_speculative_sampling_matches_ar(setup, method, kind, joining):
     stat, crit, tau = _stat(setup, method, kind, joining)
     assert stat < crit, (method, stat, crit)
@@ -77,7 +78,8 @@ def test_speculative_sampling_matches_ar(setup, method, kind, joining):
 
 
 @pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle", "eagle1"), ("eagle_tree", "eagle3"),
-                                         ("medusa", "medusa"), ("prompt_lookup", None), ("peagle", "peagle")])
+                                         ("medusa", "medusa"), ("prompt_lookup", None), ("peagle", "peagle"),
+                                         ("dflash", "dflash")])
 def test_wrong_residual_is_caught(setup, method, kind, monkeypatch):
     # the engine accepts every row at once on the device (sampling.tree_accept_rows): break its residual there
     monkeypatch.setattr(sampling, "residual_rows", lambda p, q: p)  # resample from p instead of norm(max(0, p - q))
@@ -102,7 +104,7 @@ def test_same_seed_same_tokens_regardless_of_batch(setup):
 
 
 @pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-                                         ("peagle", "peagle")])
+                                         ("peagle", "peagle"), ("dflash", "dflash")])
 def test_seeded_row_joining_a_running_batch_samples_as_alone(setup, method, kind):
     """A seeded row added while other rows are mid-generation (and others joining after it) gets the tokens it
     gets alone: per-row generators, per-row draft sizes, slots moved under it as rows leave."""

@@ -50,7 +50,7 @@ from nemo_spec.models.gpt import is_speculative, unwrap_speculative
 
 log = logging.getLogger(__name__)
 
-DRAFT_FORMATS = ("eagle3", "eagle1", "medusa")
+DRAFT_FORMATS = ("eagle3", "eagle1", "medusa", "dflash")
 FORMATS = ("auto", "base") + DRAFT_FORMATS
 EXPORT_INFO = "export_info.json"
 
@@ -215,6 +215,11 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
                 tensors, conf, launch = eagle_fmt.eagle3_to_engine(neutral, cfg, spec, eng)
             elif fmt == "eagle1":
                 tensors, conf = eagle_fmt.eagle1_to_engine(neutral, cfg, spec, embedding, eng)
+            elif fmt == "dflash":  # one z-lab-format directory that every claiming engine reads as is
+                from nemo_spec.export.dflash import dflash_to_hf
+
+                tensors, conf = dflash_to_hf(neutral, cfg, spec)
+                launch = {"block_size": int(spec.block_size)}
             else:
                 tensors, conf = medusa_fmt.medusa_to_reference(neutral, cfg, spec)
         except ExportError as e:
@@ -290,7 +295,7 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
 
     ``fmt``: 'auto' (the model's draft algorithm, or 'base' for an untransformed model), 'base', 'eagle3',
-    'eagle1', 'medusa'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for that engine) or
+    'eagle1', 'medusa', 'dflash'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for that engine) or
     'all' (``draft/<engine>/`` for every engine that can run the draft). ``base_name`` is recorded as
     ``base_model_name_or_path`` in the draft config (default: the absolute path of ``export_dir/base`` when the base
     is exported, else ``source``). ``verify``: read the export back through every engine's conformance reader and
@@ -417,7 +422,7 @@ def _draft_dir(path: Path) -> Path:
 
 
 def detect_draft_format(path: PathLike) -> str:
-    """'eagle3', 'eagle1', 'medusa' or 'medusa_vllm' for an exported draft directory (or an export dir)."""
+    """'eagle3', 'eagle1', 'dflash', 'medusa' or 'medusa_vllm' for an exported draft directory (or an export dir)."""
     d = _draft_dir(Path(path))
     conf = read_json(d / "config.json")
     arch = (conf.get("architectures") or [None])[0]
@@ -429,6 +434,10 @@ def detect_draft_format(path: PathLike) -> str:
         return "eagle3"
     if arch == eagle_fmt.EAGLE1_ARCH:
         return "eagle1"
+    from nemo_spec.export.dflash import DFLASH_ARCH
+
+    if arch == DFLASH_ARCH or "dflash_config" in conf:
+        return "dflash"
     raise ExportError(f"{d / 'config.json'}: cannot tell the draft format (architectures={conf.get('architectures')})")
 
 
@@ -464,6 +473,10 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
         neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg)
     elif fmt == "eagle1":
         neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)
+    elif fmt == "dflash":
+        from nemo_spec.export.dflash import dflash_from_hf
+
+        neutral = dflash_from_hf(tensors, cfg, spec.spec_config)
     elif fmt == "medusa":
         neutral = medusa_fmt.medusa_from_reference(tensors, conf)
     else:

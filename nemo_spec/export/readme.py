@@ -40,6 +40,8 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
     if not info.get("base"):
         base = Path(base_ref) if base_ref else Path("<base model>")
     k = spec.get("ttt_steps") or 3
+    if fmt == "dflash":
+        k = spec.get("block_size") or 16
     if fmt == "medusa":
         k = spec.get("num_medusa_heads") or 3
     for eng, entry in engines.items():
@@ -54,7 +56,7 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
     if fmt == "base":
         lines += ["## vLLM", "", "```bash", f"vllm serve {base}", "```", "",
                   "## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {base}", "```", ""]
-    if fmt in ("eagle3", "eagle1", "medusa"):
+    if fmt in ("eagle3", "eagle1", "medusa", "dflash"):
         lines += ["## Check it", "", "```bash",
                   f"python scripts/verify_export.py {root} --checkpoint {info.get('source_checkpoint') or '<ckpt>'}",
                   "```", "",

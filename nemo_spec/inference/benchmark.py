@@ -36,6 +36,8 @@ def available_methods(model: torch.nn.Module, draft_model: Optional[torch.nn.Mod
         methods += ["eagle", "eagle_tree"]
     elif alg == "medusa":
         methods.append("medusa")
+    elif alg in ("peagle", "dflash"):  # one draft forward per step: the method is named after the draft
+        methods.append(alg)
     return methods
 
 

@@ -1,5 +1,6 @@
 """Draft proposers: autoregressive (none), prompt lookup, draft model, EAGLE chain, EAGLE-2 tree, Medusa
-(P-EAGLE parallel drafting: inference/peagle.py; suffix decoding: inference/suffix.py).
+(P-EAGLE parallel drafting: inference/peagle.py; DFlash block drafting: inference/dflash.py; suffix decoding:
+inference/suffix.py).
 
 A proposer has ``name``, ``lookahead`` (max draft nodes per step), ``aux_layers`` (base layers whose
 outputs it needs), ``levels`` (draft nodes per row at each speculation level it offers, ascending from 0 =
@@ -665,7 +666,7 @@ class MedusaProposer(_SpecModelProposer):
         _swap_rows(self.h, i, j)
 
 
-METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix", "peagle")
+METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix", "peagle", "dflash")
 
 
 def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_model: Optional[torch.nn.Module],
@@ -692,4 +693,8 @@ def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_mod
         from nemo_spec.inference.peagle import PEagleProposer
 
         return PEagleProposer(model, options)
+    if method == "dflash":
+        from nemo_spec.inference.dflash import DFlashProposer
+
+        return DFlashProposer(model, options)
     raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")

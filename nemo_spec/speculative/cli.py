@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux_layers", type=str, default=None,
                    help="EAGLE-3 base layers feeding the draft, comma separated 0-based (default low/mid/high)")
     p.add_argument("--ttt_steps", type=int, default=None, help="EAGLE-3 training-time-test unroll depth (default 3)")
+    p.add_argument("--block_size", type=int, default=None, help="DFlash block size B (B - 1 drafts per step; default 16)")
+    p.add_argument("--target_layer_ids", type=str, default=None,
+                   help="DFlash base layers fused into the draft, comma separated 0-based (default: the reference's)")
+    p.add_argument("--mask_token_id", type=int, default=None,
+                   help="P-EAGLE / DFlash mask placeholder id (default: pad id, else vocab_size - 1)")
     p.add_argument("--token_counts", type=str, default=None,
                    help="EAGLE-3: token frequencies (.pt tensor or JSON list, length = base vocab) used to pick the "
                         "draft vocabulary (most frequent tokens); default: the first draft_vocab_size ids")
@@ -45,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_aux(text: Optional[str]) -> Optional[List[int]]:
+def _parse_aux(text: Optional[str], flag: str = "--aux_layers") -> Optional[List[int]]:
     if text is None:
         return None
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise ConfigError(f"--aux_layers must be comma-separated integers, got {text!r}") from e
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from e
 
 
 def _load_counts(path: str, vocab_size: int) -> torch.Tensor:
@@ -73,7 +78,8 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
               num_medusa_layers: Optional[int] = None, draft_vocab_size: Optional[int] = None,
               aux_layers: Optional[List[int]] = None, ttt_steps: Optional[int] = None,
               token_counts: Optional[str] = None, tp_size: Optional[int] = None, overwrite: bool = False,
-              ep_size: Optional[int] = None) -> Path:
+              ep_size: Optional[int] = None, block_size: Optional[int] = None,
+              target_layer_ids: Optional[List[int]] = None, mask_token_id: Optional[int] = None) -> Path:
     """Load ``model_path``, apply SpeculativeTransform, save to ``export_dir``; returns the checkpoint path."""
     import torch.distributed as dist
 
@@ -83,7 +89,9 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
 
     transform = SpeculativeTransform(algorithm=algorithm, num_eagle_layers=num_eagle_layers,
                                      num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
-                                     draft_vocab_size=draft_vocab_size, aux_layers=aux_layers, ttt_steps=ttt_steps)
+                                     draft_vocab_size=draft_vocab_size, aux_layers=aux_layers, ttt_steps=ttt_steps,
+                                     block_size=block_size, target_layer_ids=target_layer_ids,
+                                     mask_token_id=mask_token_id)
     out = Path(export_dir).expanduser().absolute()
     if out.exists() and not overwrite:
         raise FileExistsError(f"--export_dir {out} already exists; pass --overwrite to replace it")
@@ -132,7 +140,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   num_medusa_heads=args.num_medusa_heads, num_medusa_layers=args.num_medusa_layers,
                   draft_vocab_size=args.draft_vocab_size, aux_layers=_parse_aux(args.aux_layers),
                   ttt_steps=args.ttt_steps, token_counts=args.token_counts, tp_size=args.tp_size,
-                  overwrite=args.overwrite, ep_size=args.ep_size)
+                  overwrite=args.overwrite, ep_size=args.ep_size, block_size=args.block_size,
+                  target_layer_ids=_parse_aux(args.target_layer_ids, "--target_layer_ids"),
+                  mask_token_id=args.mask_token_id)
     except (ConfigError, CheckpointError, FileExistsError) as e:
         log.error("%s", e)
         return 2

@@ -48,17 +48,25 @@ class SpeculativeGPT(MegatronModule):
             from nemo_spec.speculative.peagle import PEagleDraft
 
             self.eagle_module = PEagleDraft(model_config, spec_config, gpt)
+        elif spec_config.algorithm == "dflash":
+            from nemo_spec.speculative.dflash import DFlashDraft
+
+            self.eagle_module = DFlashDraft(model_config, spec_config, gpt)
         else:
             self.eagle_module = EagleDraft(model_config, spec_config, gpt)
-        self._aux_layers = (spec_config.resolved_aux_layers(model_config.num_layers)
-                            if spec_config.algorithm in EAGLE3_LIKE else [])
+        if spec_config.algorithm in EAGLE3_LIKE:
+            self._aux_layers = spec_config.resolved_aux_layers(model_config.num_layers)
+        elif spec_config.algorithm == "dflash":  # the fused base layers (z-lab target_layer_ids, same numbering)
+            self._aux_layers = list(self.eagle_module.target_layer_ids)
+        else:
+            self._aux_layers = []
         log.info("speculative draft %s attached: %d trainable parameters (base frozen, %d parameters)",
                  spec_config.algorithm, self.num_draft_parameters(), sum(p.numel() for p in gpt.parameters()))
 
     # ---- structure ------------------------------------------------------------------------------------------
     @property
     def algorithm(self) -> str:
-        """'eagle1', 'eagle3', 'peagle' or 'medusa'."""
+        """'eagle1', 'eagle3', 'peagle', 'dflash' or 'medusa'."""
         return self.spec_config.algorithm
 
     @property
@@ -106,8 +114,9 @@ class SpeculativeGPT(MegatronModule):
                            gather=gather)
 
     def base_features(self, out: GPTOutput) -> torch.Tensor:
-        """Draft input features [b, s, F] from a base forward (EAGLE-3: cat of aux hiddens [b, s, 3h])."""
-        if self.algorithm not in EAGLE3_LIKE:
+        """Draft input features [b, s, F] from a base forward (EAGLE-3: cat of aux hiddens [b, s, 3h]; DFlash: of
+        the target layers' hiddens [b, s, len(target_layer_ids) * h])."""
+        if self.algorithm not in EAGLE3_LIKE + ("dflash",):
             return out.hidden
         uniq = sorted(set(self._aux_layers))
         if len(out.aux_hidden) != len(uniq):
@@ -117,7 +126,9 @@ class SpeculativeGPT(MegatronModule):
         return torch.cat([by_layer[i] for i in self._aux_layers], dim=-1)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Fused feature [b, s, h]: EAGLE-3 fc(3h -> h); identity for EAGLE-1 / Medusa."""
+        """Fused feature [b, s, h]: EAGLE-3 fc(3h -> h); DFlash hidden_norm(fc(.)); identity for EAGLE-1 / Medusa."""
+        if self.algorithm == "dflash":
+            return self.eagle_module.fuse(features)
         if self.algorithm not in EAGLE3_LIKE:
             return features
         return self.eagle_module.fc(features.to(self.eagle_module.fc.weight.dtype))
@@ -182,8 +193,8 @@ class SpeculativeGPT(MegatronModule):
 
     def new_draft_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
         """A KV cache for the draft's own decoder layers on this TP rank."""
-        if not self.is_eagle:
-            raise TypeError(f"a draft KV cache is for EAGLE drafts, this model's draft is {self.algorithm}")
+        if not self.is_eagle and self.algorithm != "dflash":
+            raise TypeError(f"a draft KV cache is for EAGLE / DFlash drafts, this model's draft is {self.algorithm}")
         cfg = self.model_config
         p = next(self.eagle_module.parameters())
         return KVCache(self.eagle_module.num_layers, batch_size, max_len, cfg.num_query_groups // parallel.tp_size(),
@@ -215,6 +226,10 @@ class SpeculativeGPT(MegatronModule):
             from nemo_spec.speculative.peagle import peagle_losses
 
             return peagle_losses(self, input_ids, loss_mask, out, return_logits=return_logits, token_loss=token_loss)
+        if self.algorithm == "dflash":
+            from nemo_spec.speculative.dflash import dflash_losses
+
+            return dflash_losses(self, input_ids, loss_mask, out, return_logits=return_logits, token_loss=token_loss)
         if self.algorithm == "eagle3":
             return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
                                         decay=decay, return_logits=return_logits, token_loss=token_loss)
@@ -222,6 +237,8 @@ class SpeculativeGPT(MegatronModule):
                                     token_loss=token_loss)
 
     def _base_logits_needed(self) -> bool:
+        if self.algorithm == "dflash":  # hard targets (the data tokens): no base logits
+            return False
         return self.algorithm not in EAGLE3_LIKE or losses.REFERENCE_FORMULATION
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,

@@ -5,6 +5,7 @@ Two spellings::
     SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)      # NeMo's (EAGLE defaults to eagle3)
     SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, draft_vocab_size=32000)
     SpeculativeTransform(algorithm="peagle", num_eagle_layers=2, parallel_depth=4, mask_token_id=0)
+    SpeculativeTransform(algorithm="dflash", num_layers=2, block_size=8, target_layer_ids=[1, 3], mask_token_id=0)
 
 ``transform(model)`` accepts a GPTModel (returns a SpeculativeGPT), a SpeculativeGPT (idempotent no-op for the
 same draft; refuses a different one), or any module (e.g. a LightningModule) holding one of those as a
@@ -33,21 +34,32 @@ ARCH_FIELDS = {
     "eagle3": ("num_eagle_layers", "draft_vocab_size", "aux_layers"),
     "medusa": ("num_medusa_heads", "num_medusa_layers"),
     "peagle": ("num_eagle_layers", "draft_vocab_size", "aux_layers", "mask_token_id"),
+    "dflash": ("num_eagle_layers", "target_layer_ids", "mask_token_id"),
 }
 #: training/drafting settings a re-applied transform may change on an existing draft (not its shape)
-_SOFT_FIELDS = ("ttt_steps", "parallel_depth", "cod_ratio", "cod_ratio_min")
+_SOFT_FIELDS = ("ttt_steps", "parallel_depth", "cod_ratio", "cod_ratio_min", "block_size", "num_anchors",
+                "loss_decay_gamma")
+#: keyword settings of SpeculativeTransform that only DFlash uses
+_DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_anchors", "loss_decay_gamma")
 
 
 def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
                     num_medusa_layers: Optional[int], draft_vocab_size: Optional[int],
                     aux_layers: Optional[List[int]], ttt_steps: Optional[int],
-                    peagle: Optional[dict] = None) -> SpeculativeConfig:
+                    peagle: Optional[dict] = None, dflash: Optional[dict] = None) -> SpeculativeConfig:
     """Build a SpeculativeConfig from either spelling, raising ConfigError on contradictions."""
     peagle = {k: v for k, v in (peagle or {}).items() if v is not None}
+    dflash = {k: v for k, v in (dflash or {}).items() if v is not None}
+    if algorithm == "dflash" and "mask_token_id" in peagle:  # shared by P-EAGLE and DFlash
+        dflash["mask_token_id"] = peagle.pop("mask_token_id")
+    for name in ("block_size", "num_anchors"):
+        v = dflash.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"SpeculativeTransform: {name} must be a positive int, got {v!r}")
     for name, v in (("num_eagle_layers", num_eagle_layers), ("num_medusa_heads", num_medusa_heads),
                     ("num_medusa_layers", num_medusa_layers), ("draft_vocab_size", draft_vocab_size),
                     ("ttt_steps", ttt_steps), ("parallel_depth", peagle.get("parallel_depth")),
-                    ("mask_token_id", peagle.get("mask_token_id"))):
+                    ("mask_token_id", peagle.get("mask_token_id", dflash.get("mask_token_id")))):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"SpeculativeTransform: {name} must be a non-negative int, got {v!r}")
     eagle = num_eagle_layers or 0
@@ -80,6 +92,10 @@ def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], n
             raise ConfigError("SpeculativeTransform: aux_layers is only used by eagle3 and peagle")
     if peagle and algorithm != "peagle":
         raise ConfigError(f"SpeculativeTransform: {sorted(peagle)} only apply to algorithm='peagle', not {algorithm}")
+    if dflash and algorithm != "dflash":
+        raise ConfigError(f"SpeculativeTransform: {sorted(dflash)} only apply to algorithm='dflash', not {algorithm}")
+    if algorithm == "dflash" and aux_layers is not None:
+        raise ConfigError("SpeculativeTransform: dflash takes target_layer_ids (0-based base layers), not aux_layers")
     if peagle.get("parallel_depth") == 0:
         raise ConfigError("SpeculativeTransform: parallel_depth must be > 0, got 0")
     if num_medusa_layers is not None and num_medusa_layers == 0:
@@ -98,6 +114,7 @@ def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], n
         aux_layers=list(aux_layers) if aux_layers is not None else None,
         ttt_steps=ttt_steps or defaults.ttt_steps,
         **peagle,
+        **{k: (list(v) if k == "target_layer_ids" else v) for k, v in dflash.items()},
     )
     return cfg.validate()
 
@@ -110,14 +127,27 @@ class SpeculativeTransform:
                  draft_vocab_size: Optional[int] = None, aux_layers: Optional[List[int]] = None,
                  ttt_steps: Optional[int] = None, config: Optional[SpeculativeConfig] = None,
                  parallel_depth: Optional[int] = None, mask_token_id: Optional[int] = None,
-                 cod_ratio: Optional[float] = None, cod_ratio_min: Optional[float] = None) -> None:
+                 cod_ratio: Optional[float] = None, cod_ratio_min: Optional[float] = None,
+                 block_size: Optional[int] = None, num_layers: Optional[int] = None,
+                 target_layer_ids: Optional[List[int]] = None, num_anchors: Optional[int] = None,
+                 loss_decay_gamma: Optional[float] = None) -> None:
         peagle = dict(parallel_depth=parallel_depth, mask_token_id=mask_token_id, cod_ratio=cod_ratio,
                       cod_ratio_min=cod_ratio_min)
+        dflash = dict(block_size=block_size, target_layer_ids=target_layer_ids, num_anchors=num_anchors,
+                      loss_decay_gamma=loss_decay_gamma)
+        if num_layers is not None:  # DFlash spelling of the draft decoder layer count
+            if num_eagle_layers is not None and num_eagle_layers != num_layers:
+                raise ConfigError(f"SpeculativeTransform: num_layers={num_layers!r} and num_eagle_layers="
+                                  f"{num_eagle_layers!r} disagree (both name the draft decoder layers)")
+            if algorithm not in ("dflash", "peagle", "eagle1", "eagle3"):
+                raise ConfigError(f"SpeculativeTransform: num_layers is the draft decoder layer count of "
+                                  f"EAGLE / P-EAGLE / DFlash drafts, not of {algorithm!r}")
+            num_eagle_layers = num_layers
         if config is not None:
             given = {k: v for k, v in dict(algorithm=algorithm, num_eagle_layers=num_eagle_layers,
                                            num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
                                            draft_vocab_size=draft_vocab_size, aux_layers=aux_layers,
-                                           ttt_steps=ttt_steps, **peagle).items() if v is not None}
+                                           ttt_steps=ttt_steps, **peagle, **dflash).items() if v is not None}
             if given:
                 raise ConfigError(f"SpeculativeTransform: pass either config= or keyword settings, not both "
                                   f"(got config and {sorted(given)})")
@@ -126,7 +156,7 @@ class SpeculativeTransform:
             self.config = copy.deepcopy(config).validate()
         else:
             self.config = _resolve_config(algorithm, num_eagle_layers, num_medusa_heads, num_medusa_layers,
-                                          draft_vocab_size, aux_layers, ttt_steps, peagle)
+                                          draft_vocab_size, aux_layers, ttt_steps, peagle, dflash)
 
     def __repr__(self) -> str:
         return f"SpeculativeTransform({self.config})"
@@ -140,9 +170,18 @@ class SpeculativeTransform:
             if vd % tp_size:
                 raise ConfigError(f"tensor parallel size {tp_size} does not divide draft_vocab_size={vd} "
                                   "(the EAGLE-3 head is vocab-parallel)")
-        if cfg.algorithm == "peagle" and cfg.mask_token_id is None:  # fixed at build time, stored with the draft
+        if cfg.algorithm in ("peagle", "dflash") and cfg.mask_token_id is None:  # fixed at build time, stored
             cfg = dataclasses.replace(cfg, mask_token_id=cfg.resolved_mask_token_id(model_config))
-            log.info("P-EAGLE mask_token_id not given: using %d", cfg.mask_token_id)
+            log.info("%s mask_token_id not given: using %d", cfg.algorithm, cfg.mask_token_id)
+        if cfg.algorithm == "dflash":
+            if cfg.target_layer_ids is None:  # fixed at build time too (the fc width depends on it)
+                cfg = dataclasses.replace(cfg, target_layer_ids=cfg.resolved_target_layer_ids(model_config.num_layers))
+                log.info("DFlash target_layer_ids not given: using %s", cfg.target_layer_ids)
+            for name, n in (("num_attention_heads", model_config.num_attention_heads),
+                            ("num_query_groups", model_config.num_query_groups)):
+                if n % tp_size:
+                    raise ConfigError(f"tensor parallel size {tp_size} does not divide {name}={n} (DFlash layers "
+                                      "have the base's attention shape)")
         return cfg
 
     def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -172,7 +211,8 @@ class SpeculativeTransform:
         diff = [f for f in ARCH_FIELDS[old.algorithm] if getattr(old, f) != getattr(new_checked, f)
                 and not (f == "aux_layers" and new_checked.aux_layers is None)
                 and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)
-                and not (f == "mask_token_id" and self.config.mask_token_id is None)]
+                and not (f == "mask_token_id" and self.config.mask_token_id is None)
+                and not (f == "target_layer_ids" and self.config.target_layer_ids is None)]
         if diff:
             detail = ", ".join(f"{f}: {getattr(old, f)!r} -> {getattr(new_checked, f)!r}" for f in diff)
             raise ConfigError(f"model already carries a {old.algorithm} draft with a different shape ({detail})")

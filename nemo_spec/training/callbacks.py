@@ -18,7 +18,7 @@ def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth:
 
     if method is None:
         alg = getattr(model, "algorithm", None)
-        method = {"medusa": "medusa", "peagle": "peagle"}.get(alg, "eagle")
+        method = {"medusa": "medusa", "peagle": "peagle", "dflash": "dflash"}.get(alg, "eagle")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     options = {"num_draft_tokens": depth, "depth": depth, "ignore_eos": True}
     if method == "medusa":

@@ -176,7 +176,8 @@ def base_output_from_batch(model: torch.nn.Module, batch: Dict[str, torch.Tensor
     hidden = batch["base_hidden"]
     w = next(gpt.parameters())
     logits = None
-    if getattr(model, "algorithm", None) not in ("eagle3", "peagle") or losses.REFERENCE_FORMULATION:
+    alg = getattr(model, "algorithm", None)
+    if alg != "dflash" and (alg not in ("eagle3", "peagle") or losses.REFERENCE_FORMULATION):  # DFlash: no logits
         with torch.no_grad():
             logits = gather_vocab(output_logits(gpt, hidden.to(w.dtype).transpose(0, 1).contiguous())
                                   ).transpose(0, 1)

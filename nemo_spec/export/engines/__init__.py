@@ -65,6 +65,20 @@ def _our_logits(model: torch.nn.Module, fmt: str, ids: torch.Tensor) -> Dict[str
         if fmt == "medusa":
             res["draft"] = model.medusa_logits(out.hidden).float()
             return res
+        if fmt == "dflash":  # the readers' scenario: context = positions < s-1, block [ids[s-1], MASK...]
+            from nemo_spec.speculative.dflash import DFlashContext
+
+            d = model.eagle_module
+            b, s = ids.shape
+            B = int(model.spec_config.block_size)
+            fused = model.fuse(model.base_features(out))[:, : s - 1]
+            tok = torch.full((b, B), d.mask_token_id, dtype=ids.dtype)
+            tok[:, 0] = ids[:, s - 1]
+            ctx = DFlashContext(position_ids=torch.arange(s - 1, s - 1 + B)[None].expand(b, B),
+                                target=fused.transpose(0, 1),
+                                ctx_position_ids=torch.arange(s - 1)[None].expand(b, s - 1))
+            res["draft"] = d(model.gpt, tok, ctx)[1].float()
+            return res
         _, logits = model.draft_step(ids[:, 1:], model.fuse(model.base_features(out))[:, :-1])
         logits = logits.float()
         if fmt == "eagle3" and logits.shape[-1] != model.model_config.vocab_size:

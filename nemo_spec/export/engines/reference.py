@@ -1,9 +1,10 @@
 """Reference-code conformance reader: SafeAILab/EAGLE ``EaModel`` (EAGLE-3 ``cnets.py``, EAGLE-1 ``cnets1.py``)
-and FasterDecoding/Medusa ``MedusaModel``.
+and FasterDecoding/Medusa ``MedusaModel``; z-lab/dflash ``DFlashDraftModel`` (reader in engines/dflash.py).
 
 Pinned sources (stored public GitHub snapshots):
   SafeAILab/EAGLE @ cb7e0841fe0c (2026-02-19): eagle/model/ea_model.py, cnets.py, cnets1.py, modeling_llama_kv.py
   FasterDecoding/Medusa @ e2a5d20c048a (2024-04-18): medusa/model/medusa_model.py
+  z-lab/dflash @ 44947fbf7111 (2026-04-26): dflash/model.py
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from nemo_spec.export.engines._llama import (
 )
 
 NAME = "reference"
-VERSION = "EAGLE@cb7e0841fe0c, Medusa@e2a5d20c048a"
-FORMATS = ("eagle3", "eagle1", "medusa")
+VERSION = "EAGLE@cb7e0841fe0c, Medusa@e2a5d20c048a, dflash@44947fbf7111"
+FORMATS = ("eagle3", "eagle1", "medusa", "dflash")
 MEDUSA_HEADS_BUILT = 5  # medusa_model.py:143 ("medusa_num_heads = 5 # TODO")
 
 
@@ -138,6 +139,10 @@ def medusa_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
 def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
                  launch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
     """The reference code's draft logits for an exported ``fmt`` draft."""
+    if fmt == "dflash":  # z-lab/dflash model.py @ 44947fb (engines/dflash.py)
+        from nemo_spec.export.engines.dflash import dflash_logits
+
+        return dflash_logits("reference", draft_dir, base, ids, launch)
     fn = {"eagle3": eagle3_logits, "eagle1": eagle1_logits, "medusa": medusa_logits}.get(fmt)
     if fn is None:
         raise Unsupported(f"reference: no {fmt} reader")
@@ -146,6 +151,10 @@ def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
 
 def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3, **_: Any) -> str:
     """How to load this export with the reference code."""
+    if fmt == "dflash":
+        from nemo_spec.export.engines.dflash import launch_command as dflash_launch
+
+        return dflash_launch("reference", base_dir, draft_dir, block_size=k)
     if fmt == "medusa":
         return f"python -m medusa.inference.cli --model {draft_dir}"
     return ("from eagle.model.ea_model import EaModel\n"

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23 conformance reader: what SGLang builds from an exported EAGLE-3 / EAGLE-1 draft directory.
+"""SGLang 0.5.23 conformance reader: what SGLang builds from an exported EAGLE-3 / EAGLE-1 / DFlash draft directory
+(DFlash: engines/dflash.py).
 
 Written from the released wheel ``sglang==0.5.23`` (``pip download --no-deps sglang==0.5.23``); line numbers are
 of that wheel's ``sglang/srt`` files. SGLang has no Medusa decoding, so Medusa is not claimed.
@@ -17,7 +18,7 @@ from nemo_spec.export.engines._llama import (
 
 NAME = "sglang"
 VERSION = "0.5.23"
-FORMATS = ("eagle3", "eagle1")
+FORMATS = ("eagle3", "eagle1", "dflash")
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # models/llama_eagle3.py:387 (EntryClass; the class name is the arch)
 EAGLE1_ARCH = "LlamaForCausalLMEagle"  # models/llama_eagle.py:153; nothing maps LlamaForCausalLM to it
@@ -110,11 +111,19 @@ def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
         return eagle3_logits(draft_dir, base, ids, launch or {})
     if fmt == "eagle1":
         return eagle1_logits(draft_dir, base, ids, launch or {})
+    if fmt == "dflash":  # srt/models/dflash.py, srt/speculative/dflash_{utils,worker_v2}.py (engines/dflash.py)
+        from nemo_spec.export.engines.dflash import dflash_logits
+
+        return dflash_logits("sglang", draft_dir, base, ids, launch)
     raise Unsupported(f"sglang {VERSION} has no {fmt} speculative algorithm")
 
 
 def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3, **_: Any) -> str:
     """The ``sglang.launch_server`` command line for this export."""
+    if fmt == "dflash":
+        from nemo_spec.export.engines.dflash import launch_command as dflash_launch
+
+        return dflash_launch("sglang", base_dir, draft_dir, block_size=k)
     algo = "EAGLE3" if fmt == "eagle3" else "EAGLE"
     return (f"python -m sglang.launch_server --model-path {base_dir} \\\n"
             f"  --speculative-algorithm {algo} --speculative-draft-model-path {draft_dir} \\\n"

@@ -1,4 +1,5 @@
-"""vLLM 0.33.0 conformance reader: what vLLM builds from an exported EAGLE-3 / EAGLE-1 draft directory.
+"""vLLM 0.33.0 conformance reader: what vLLM builds from an exported EAGLE-3 / EAGLE-1 / DFlash draft directory
+(DFlash: engines/dflash.py).
 
 Written from the released wheel ``vllm==0.33.0`` (``pip download --no-deps vllm==0.33.0``); line numbers below
 are of that wheel's files. vLLM 0.33 has no Medusa: ``"medusa"`` is not a ``SpeculativeMethod``
@@ -19,7 +20,7 @@ from nemo_spec.export.engines._llama import (
 
 NAME = "vllm"
 VERSION = "0.33.0"
-FORMATS = ("eagle3", "eagle1")
+FORMATS = ("eagle3", "eagle1", "dflash")
 
 # model_executor/models/registry.py:661,700-702 (architectures vLLM maps to its EAGLE drafts)
 _EAGLE3_ARCHS = {"Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"}
@@ -140,11 +141,19 @@ def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
         return eagle3_logits(draft_dir, base, ids, launch or {})
     if fmt == "eagle1":
         return eagle1_logits(draft_dir, base, ids, launch or {})
+    if fmt == "dflash":  # model_executor/models/qwen3_dflash.py, v1/spec_decode/dflash.py (engines/dflash.py)
+        from nemo_spec.export.engines.dflash import dflash_logits
+
+        return dflash_logits("vllm", draft_dir, base, ids, launch)
     raise Unsupported(f"vllm {VERSION} has no {fmt} speculative method (config/speculative.py:71-82)")
 
 
 def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3, **_: Any) -> str:
     """The ``vllm serve`` command line for this export."""
+    if fmt == "dflash":
+        from nemo_spec.export.engines.dflash import launch_command as dflash_launch
+
+        return dflash_launch("vllm", base_dir, draft_dir, block_size=k)
     spec = json.dumps({"method": "eagle3" if fmt == "eagle3" else "eagle", "model": str(draft_dir),
                        "num_speculative_tokens": k})
     return f"vllm serve {base_dir} \\\n  --speculative-config '{spec}'"

@@ -1,0 +1,231 @@
+"""DFlash conformance readers: what SGLang 0.5.23, vLLM 0.33.0 and the z-lab reference compute from an exported
+``DFlashDraftModel`` directory, in plain torch (no megatron, no nemo_spec model code).
+
+Sources (line numbers of those files): the released wheels ``sglang==0.5.23`` and ``vllm==0.33.0``
+(``pip download --no-deps``), and z-lab/dflash at commit 44947fb ``dflash/model.py``.
+
+The scenario each reader evaluates: context = the base's hidden states at positions 0 .. s-2 of ``ids`` [b, s],
+block = [ids[:, s-1], MASK x (B - 1)] at positions s-1 .. s+B-2, one forward; the logits of every block slot
+[b, B, V] are returned (the engines sample slots 1 .. B-1: vLLM v1/spec_decode/utils.py:730-743, z-lab
+model.py:112-121, SGLang takes the block's mask slots the same way).
+
+The draft forward every engine implements (z-lab model.py:185-347; SGLang models/dflash.py:373-427 ``forward``,
+429-463 ``kv_proj_only`` / ``apply_k_norm`` / ``apply_k_rope``, 825-845 ``prepare_context_hidden_for_kv`` (the
+context unchanged) / ``project_target_hidden``, dflash_worker_v2.py:1964-1972; vLLM qwen3_dflash.py:581-708
+``_project_context_kv`` (hidden_norm of fc(features), one K/V GEMM), ``precompute_and_store_context_kv``)::
+
+    ctx = hidden_norm(fc(cat(features)))
+    per layer: a = input_layernorm(x); q = q_norm(q_proj a); k = k_norm(k_proj [ctx ; a]); v = v_proj [ctx ; a]
+               RoPE(q at block positions, k at [context ; block] positions); attention not causal
+               x = x + o_proj(attn); x = x + mlp(post_attention_layernorm(x))
+    logits = target lm_head(norm(x)), token embeddings = target embed_tokens
+
+Engine rules that differ and are checked here: which hidden states the ids name (z-lab ``hidden_states[id+1]``,
+SGLang/vLLM the input of layer id+1), vLLM's precedence of ``eagle_aux_hidden_state_layer_ids`` (no +1),
+causality switches, the mask token lookup, a draft ``mask_hidden`` (vLLM asserts), fc shapes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from nemo_spec.export.engines._llama import (
+    BaseRun, EngineMismatch, check_rope, mlp, read_config, read_dir, require, rms,
+)
+
+ARCH = "DFlashDraftModel"
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """The reference default (z-lab model.py:27-36 == SGLang dflash_utils.py:348-385)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise EngineMismatch(f"DFlash layer selection requires num_target_layers >= 4 (dflash_utils.py:373-378), "
+                             f"got {num_target_layers}")
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE of x [b, heads, n, d] at positions pos [n] (neox style: vLLM qwen3_dflash.py:330-331,
+    SGLang ``rope_is_neox_style`` default True, models/dflash.py:265-269; HF rotate_half)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.to(torch.float64)[:, None] * inv
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _forward(w: Mapping[str, torch.Tensor], conf: Mapping[str, Any], features: torch.Tensor, block: torch.Tensor,
+             embed: torch.Tensor, lm_head: torch.Tensor, causal: bool, theta: float) -> torch.Tensor:
+    """The draft forward above: features [b, S, F] (positions 0..S-1), block tokens [b, q] (positions S..S+q-1)."""
+    eps = float(conf["rms_norm_eps"])
+    nh, ng = int(conf["num_attention_heads"]), int(conf["num_key_value_heads"])
+    h = int(conf["hidden_size"])
+    hd = int(conf.get("head_dim") or h // nh)
+    b, S = features.shape[:2]
+    q_len = block.shape[1]
+    ctx = rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = embed[block]
+    pos_c, pos_q = torch.arange(S), torch.arange(S, S + q_len)
+    allowed = torch.ones(q_len, S + q_len, dtype=torch.bool)
+    if causal:
+        allowed[:, S:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    for i in range(int(conf["num_hidden_layers"])):
+        p = f"layers.{i}."
+        a = rms(x, w[p + "input_layernorm.weight"], eps)
+        kv_in = torch.cat([ctx, a], 1)
+        q = (a @ w[p + "self_attn.q_proj.weight"].T).view(b, q_len, nh, hd)
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(b, S + q_len, ng, hd)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(b, S + q_len, ng, hd)
+        q = rms(q, w[p + "self_attn.q_norm.weight"], eps).transpose(1, 2)
+        k = rms(k, w[p + "self_attn.k_norm.weight"], eps).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q = _rope_at(q, pos_q, theta)
+        k = _rope_at(k, torch.cat([pos_c, pos_q]), theta)
+        k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)
+        att = (q @ k.transpose(-1, -2)) / hd ** 0.5
+        att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
+        o = (att @ v).transpose(1, 2).reshape(b, q_len, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+        x = x + o
+        x = x + mlp(rms(x, w[p + "post_attention_layernorm.weight"], eps), w, p)
+    return rms(x, w["norm.weight"], eps) @ lm_head.T
+
+
+def _weights(draft_dir: Path, conf: Mapping[str, Any], engine: str) -> Dict[str, torch.Tensor]:
+    w = read_dir(draft_dir, ["model.safetensors"])
+    n = int(conf["num_hidden_layers"])
+    need = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(n):
+        p = f"layers.{i}."
+        need += [p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    require(w, need, engine, "tensors the draft builds but the file lacks")
+    return w
+
+
+def _mask_id(conf: Mapping[str, Any], vocab: int, engine: str) -> int:
+    dc = conf.get("dflash_config") or {}
+    mid = dc.get("mask_token_id", conf.get("mask_token_id"))
+    if mid is None:
+        raise EngineMismatch(f"{engine}: no dflash_config.mask_token_id (z-lab model.py:320 reads it; SGLang falls "
+                             f"back to looking up the '<|MASK|>' token in the tokenizer, dflash_worker_v2.py:1424-1440)")
+    if not isinstance(mid, int) or isinstance(mid, bool) or not 0 <= mid < vocab:
+        raise EngineMismatch(f"{engine}: mask_token_id {mid!r} outside the target vocabulary [0, {vocab}) "
+                             f"(SGLang dflash_worker_v2.py:1399-1408)")
+    return int(mid)
+
+
+def _features(base: BaseRun, stream_ids: List[int], engine: str, s: int, post_norm_last: bool = False
+              ) -> torch.Tensor:
+    L = base.num_layers
+    feats = []
+    for j in stream_ids:
+        if j == L and post_norm_last:  # HF hidden_states[L] is after the final norm
+            feats.append(base.final)
+        elif 0 <= j < L:
+            feats.append(base.stream[j])
+        else:
+            raise EngineMismatch(f"{engine}: no capture point {j} in a {L}-layer target (the input of a layer; "
+                                 f"a target_layer_id of the last layer has none)")
+    return torch.cat(feats, -1)[:, : s - 1]
+
+
+def _check_arch(conf: Mapping[str, Any], engine: str, where: str) -> None:
+    arch = (conf.get("architectures") or [None])[0]
+    if arch != ARCH:
+        raise EngineMismatch(f"{engine}: architecture {arch!r} is not {ARCH!r} ({where})")
+
+
+def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
+                  launch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
+    """Block logits [b, B, V] ``engine`` ('sglang' | 'vllm' | 'reference') computes for the export."""
+    draft_dir = Path(draft_dir)
+    conf = read_config(draft_dir)
+    dc = conf.get("dflash_config") or {}
+    L = base.num_layers
+    vocab = int(base.embed.shape[0])
+    n = int(conf["num_hidden_layers"])
+    b, s = ids.shape
+    theta = check_rope(conf)
+    if engine == "reference":
+        _check_arch(conf, engine, "model.py:302")
+        tids = dc.get("target_layer_ids") or build_target_layer_ids(int(conf["num_target_layers"]), n)  # :312-314
+        stream = [i + 1 for i in tids]  # extract_context_feature: hidden_states[layer_id + 1] (model.py:39-45)
+        post_last = True
+        block_size = int(conf["block_size"])  # model.py:319
+        causal = False  # is_causal = False (model.py:194); generation passes no mask (model.py:112-119)
+    elif engine == "sglang":
+        _check_arch(conf, engine, "models/dflash.py:671, EntryClass :1317")
+        tids = dc.get("target_layer_ids", conf.get("target_layer_ids"))  # dflash_utils.py:656-675
+        if tids is None:
+            ntl = dc.get("num_target_layers", conf.get("num_target_layers"))  # models/dflash.py:750-755
+            tids = build_target_layer_ids(int(ntl) if ntl is not None else n, n)
+        for t in tids:  # resolve_target_layer_ids, dflash_utils.py:573-585
+            if not 0 <= t < L:
+                raise EngineMismatch(f"sglang: target_layer_id {t} out of range for {L} layers (dflash_utils.py:580)")
+        stream = [i + 1 for i in tids]  # set_dflash_layers_to_capture: ids + 1 (qwen3.py:793-805, llama.py:943-953)
+        post_last = False  # layer i captures its input (llama.py:485-494): id L - 1 is never captured
+        block_size = int(dc.get("block_size", conf.get("block_size", 16)))  # dflash_utils.py:608-616, dflash.py:702
+        types = conf.get("layer_types")
+        causal = conf.get("is_causal")  # models/dflash.py:157-163
+        if causal is None:  # full_attention / no layer_types -> ENCODER_ONLY (non-causal), :166-191
+            causal = bool(types) and any(t == "sliding_attention" for t in types)
+    elif engine == "vllm":
+        _check_arch(conf, engine, "model_executor/models/registry.py:664")
+        aux = conf.get("eagle_aux_hidden_state_layer_ids")
+        if not aux:  # eagle3_utils.py:113-124: DFlash ids + 1 unless eagle_aux_hidden_state_layer_ids is set
+            aux = [i + 1 for i in (dc.get("target_layer_ids") or [])]
+        if not aux:
+            raise EngineMismatch("vllm: no target_layer_ids / eagle_aux_hidden_state_layer_ids: the fc input size "
+                                 "falls back to num_hidden_layers * hidden (qwen3_dflash.py:84-91)")
+        stream = list(aux)  # the residual entering layer id (llama.py:428-441 aux_hidden_state_layers)
+        post_last = False
+        block_size = int(conf.get("block_size", 16))
+        causal = conf.get("is_causal")  # _dflash_layer_causal, qwen3_dflash.py:62-71
+        if causal is None:
+            causal = dc.get("causal")
+        if causal is None:
+            types = conf.get("layer_types")
+            causal = bool(types) and types[0] == "sliding_attention"
+        if "rope_theta" not in conf and "rope_parameters" not in conf:
+            theta = 1e6  # set_default_rope_theta(config, default_theta=1000000), qwen3_dflash.py:311
+    else:
+        raise EngineMismatch(f"no DFlash reader for engine {engine!r}")
+    w = _weights(draft_dir, conf, engine)
+    if engine == "vllm" and any("mask_hidden" in k for k in w):
+        raise EngineMismatch("vllm: a DFlash draft must not ship mask_hidden (qwen3_dflash.py:856-860 asserts)")
+    h = int(conf["hidden_size"])
+    fc_in = h * len(stream)
+    if tuple(w["fc.weight"].shape) != (h, fc_in):
+        raise EngineMismatch(f"{engine}: fc.weight {tuple(w['fc.weight'].shape)} != ({h}, {fc_in}) for "
+                             f"{len(stream)} context features (SGLang models/dflash.py:955-975, vLLM :84-91)")
+    mask_id = _mask_id(conf, vocab, engine)
+    embed = w["embed_tokens.weight"] if "embed_tokens.weight" in w and engine == "vllm" else base.embed
+    head = w["lm_head.weight"] if "lm_head.weight" in w and engine == "vllm" else base.lm_head
+    features = _features(base, stream, engine, s, post_last)
+    block = torch.full((b, block_size), mask_id, dtype=ids.dtype)
+    block[:, 0] = ids[:, s - 1]
+    return _forward(w, conf, features, block, embed, head, bool(causal), theta)
+
+
+def launch_command(engine: str, base_dir: Path, draft_dir: Path, block_size: int = 16) -> str:
+    """How to serve a DFlash export (z-lab README.md:55-80)."""
+    import json
+
+    if engine == "vllm":
+        spec = json.dumps({"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": block_size - 1})
+        return f"vllm serve {base_dir} \\\n  --speculative-config '{spec}' --attention-backend flash_attn"
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model-path {base_dir} \\\n  --speculative-algorithm DFLASH "
+                f"--speculative-draft-model-path {draft_dir} --speculative-num-draft-tokens {block_size}")
+    return ("from dflash.model import DFlashDraftModel  # z-lab/dflash\n"
+            f"draft = DFlashDraftModel.from_pretrained('{draft_dir}')\n"
+            f"out = draft.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=None, temperature=0.0)")

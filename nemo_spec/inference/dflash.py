@@ -1,0 +1,132 @@
+"""DFlash proposer: a block of up to B - 1 draft tokens per step from ONE draft forward, verified as a chain.
+
+Per slot the draft KV cache holds the injected context: the keys/values (each draft layer's k/v projection and
+k_norm of hidden_norm(fc(base features)), RoPE at its position) of every position whose base features are known;
+slot p holds position p. After a prefill chunk its prompt positions are injected; after a verification the
+accepted path's positions (root + accepted drafts, whose base features the verification computed) are. The row's
+last emitted token (the first generated token / the bonus token) is the block's anchor at position
+``lengths`` = the number of injected positions, as in z-lab dflash/model.py:107-143 (draft cache cropped to
+``start`` after every block) and vLLM 0.33.0 (context K/V stored before the query pass, v1/spec_decode/dflash.py:
+272-295; queries = [next token, mask x K], dflash.py:122-127).
+
+The block [anchor, MASK x k] attends to the row's context and to itself (not causal); slot j >= 1 gives draft
+token j by argmax, as the reference drafts (model.py:121, also when the target samples). Drafts are therefore
+deterministic: the tree carries no q (one-hot q), under which the engine's rejection rule accepts draft x with
+probability p(x) and resamples from p without x: lossless.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
+from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.speculative import _SpecModelProposer, _chain_levels, _level_index, _opt_int, _swap_rows
+from nemo_spec.inference.transfer import tensor
+from nemo_spec.models import model_config
+
+log = logging.getLogger(__name__)
+
+
+class DFlashProposer(_SpecModelProposer):
+    """Block drafting with a DFlash draft: a chain of up to ``num_draft_tokens`` (default B - 1) per forward."""
+
+    name = "dflash"
+
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
+        super().__init__(model, ("dflash",))
+        draft = self.spec.eagle_module
+        trained = int(self.spec.spec_config.block_size) - 1
+        self.depth = _opt_int(options, "num_draft_tokens", trained)
+        if self.depth > trained:
+            log.warning("dflash: num_draft_tokens=%d exceeds the %d mask slots the draft was trained with (block "
+                        "size %d); the extra slots are untrained (output stays exact, acceptance drops)",
+                        self.depth, trained, trained + 1)
+        self.lookahead = self.depth
+        self.extra_slots = self.depth + 2  # a verified path (<= depth + 1 positions) is injected past the end
+        self.mask_token_id = int(draft.mask_token_id)
+        self.max_pos = model_config(self.spec).max_position_embeddings
+        self.last_tok: Optional[torch.Tensor] = None
+
+    @property
+    def levels(self) -> List[int]:
+        """0 .. num_draft_tokens draft tokens (every level but 0 costs one draft forward)."""
+        return _chain_levels(self.depth)
+
+    def draft_forwards(self, level: int) -> int:
+        """One block forward per step (none at level 0)."""
+        return 1 if self.levels[_level_index(self.levels, level)] > 0 else 0
+
+    def _fused(self, out) -> torch.Tensor:
+        return self.spec.fuse(self.spec.base_features(out))
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+    def setup(self, sess: Any) -> None:
+        """The draft KV cache of injected context and each slot's anchor token."""
+        self.cache = sess.engine.cache(("dflash", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.slots = sess.slots
+        self.last_tok = torch.zeros(sess.slots, dtype=torch.long, device=sess.device)
+
+    def admit(self, sess: Any, slot: int, row: Any) -> None:
+        """Empty the slot's injected context."""
+        self.cache.lengths[slot] = 0
+        self.cache.starts[slot] = 0
+
+    def release(self, sess: Any, slot: int, row: Any) -> None:
+        """Nothing per row beyond the cache row (reset on admit)."""
+
+    def swap(self, i: int, j: int, used: int) -> None:
+        """Exchange the two slots' context rows and anchors."""
+        self.cache.swap_rows(i, j, used + self.extra_slots)
+        _swap_rows(self.last_tok, i, j)
+
+    # ---- context injection -----------------------------------------------------------------------------------
+    def prefill(self, sess: Any, ch: PrefillChunk) -> None:
+        """Inject the chunk's prompt positions; a completed prompt's first generated token becomes its anchor."""
+        fused = self._fused(ch.out)
+        dev = fused.device
+        view = self.cache.view(ch.lo, ch.hi)
+        self.spec.eagle_module.write_context(view, fused, tensor(ch.counts, dev))
+        for i, (f, c) in enumerate(zip(ch.final, ch.counts)):
+            if f and c > 0:
+                self.last_tok[ch.lo + i] = ch.next_ids[i, c - 1]
+
+    def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
+        """Inject the verified path's positions (root + accepted drafts); the bonus token becomes the anchor."""
+        fused = self._fused(res.out)
+        b = st.b
+        dev = fused.device
+        K = max(len(p) for p in res.paths)
+        rows = torch.arange(b, device=dev)[:, None]
+        path_feats = fused[rows, res.path[:, :K]]
+        self.spec.eagle_module.write_context(self.cache.view(0, b), path_feats,
+                                             tensor([len(p) for p in res.paths], dev))
+        self.last_tok[:b] = tensor([em[-1] for em in res.emitted], dev)
+
+    # ---- the one forward ---------------------------------------------------------------------------------------
+    def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
+        """One forward over [anchor, MASK x k] per row; argmax of slots 1..k is the chain."""
+        from nemo_spec.speculative.dflash import DFlashContext
+
+        dev = sess.device
+        b = st.b
+        k = self.levels[_level_index(self.levels, level)]
+        if k == 0:
+            return DraftTree.empty(b, dev)
+        view = self.cache.view(0, b)
+        tok = torch.full((b, k + 1), self.mask_token_id, dtype=torch.long, device=dev)
+        tok[:, 0] = self.last_tok[:b]
+        pos = (view.lengths[:, None] + torch.arange(k + 1, device=dev)[None]).clamp(max=self.max_pos - 1)
+        ctx = DFlashContext(position_ids=pos, cache=view, kv_len=int(view.lengths.max()))
+        _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx)
+        st.count_draft(1)
+        tokens = logits[:, 1:].argmax(-1)
+        return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool))
+
+    def check_row(self, prompt, sp) -> None:
+        """Any row the target serves."""
+        if not prompt:
+            raise SamplingError("dflash: empty prompt")

@@ -1,0 +1,299 @@
+"""DFlash: configuration, KV-injection attention (training blocks == one-block drafting), loss, checkpoints,
+proposer, export through the engine readers."""
+import pytest
+import torch
+
+from nemo_spec.config import ConfigError, SpeculativeConfig
+from nemo_spec.models import build_gpt
+from nemo_spec.speculative import SpeculativeTransform
+from nemo_spec.speculative.dflash import DFlashContext, DFlashDraft, sample_anchors
+from tests.helpers import tiny_gpt2, tiny_llama
+
+torch.set_num_threads(1)
+
+
+def _model(seed=0, perturb=True, base_cfg=None, **kw):
+    torch.manual_seed(seed)
+    base = build_gpt(base_cfg or tiny_llama(num_layers=4, init_method_std=0.1))
+    args = dict(algorithm="dflash", num_layers=2, block_size=4, target_layer_ids=[0, 2], mask_token_id=7)
+    args.update(kw)
+    m = SpeculativeTransform(**args)(base)
+    if perturb:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in m.draft_parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+def test_transform_validates_dflash_settings():
+    m = _model(perturb=False)
+    d = m.eagle_module
+    assert isinstance(d, DFlashDraft) and not m.is_eagle and m.aux_layers == [0, 2]
+    assert d.fc.weight.shape == (64, 2 * 64) and len(d.layers) == 2 and m.spec_config.num_eagle_layers == 2
+    # Qwen3-style layers: per-head q/k RMSNorm; no embedding or LM head of its own
+    assert d.layers[0].self_attention.q_layernorm.weight.shape == (16,)
+    assert not any("embed" in n or "output_layer" in n for n, _ in d.named_parameters())
+    with pytest.raises(ConfigError, match="block_size must be an int >= 2"):
+        SpeculativeTransform(algorithm="dflash", block_size=1)
+    with pytest.raises(ConfigError, match="only apply to algorithm='dflash'"):
+        SpeculativeTransform(algorithm="eagle3", block_size=8)
+    with pytest.raises(ConfigError, match="distinct and increasing"):
+        SpeculativeTransform(algorithm="dflash", target_layer_ids=[2, 0])
+    with pytest.raises(ConfigError, match="target_layer_ids entry 3 outside"):  # the last layer is refused
+        SpeculativeTransform(algorithm="dflash", target_layer_ids=[0, 3])(build_gpt(tiny_llama(num_layers=4)))
+    with pytest.raises(ConfigError, match="not aux_layers"):
+        SpeculativeTransform(algorithm="dflash", aux_layers=[0, 1, 2])
+    with pytest.raises(ConfigError, match="disagree"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2, num_eagle_layers=3)
+    with pytest.raises(ConfigError, match="target_layer_ids is only used by dflash"):
+        SpeculativeConfig(algorithm="eagle3", target_layer_ids=[1]).validate()
+    with pytest.raises(ConfigError, match="mask_token_id=500 outside"):
+        SpeculativeTransform(algorithm="dflash", mask_token_id=500, target_layer_ids=[0])(build_gpt(tiny_llama()))
+    # defaults: the reference's build_target_layer_ids and the pad / last id as mask, fixed in the stored config
+    m8 = SpeculativeTransform(algorithm="dflash", num_layers=3)(build_gpt(tiny_llama(num_layers=8)))
+    assert m8.spec_config.target_layer_ids == [1, 3, 5] and m8.spec_config.mask_token_id == 95
+    assert SpeculativeTransform(algorithm="dflash")(build_gpt(tiny_llama(num_layers=4))).aux_layers == [2]
+    with pytest.raises(ConfigError, match=">= 4 layers"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2)(build_gpt(tiny_llama(num_layers=3)))
+    # re-applying: same shape is a no-op (block size may change), other target layers are refused
+    assert SpeculativeTransform(algorithm="dflash", num_layers=2, block_size=6)(m) is m
+    assert m.spec_config.block_size == 6
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        SpeculativeTransform(algorithm="dflash", num_layers=2, target_layer_ids=[0, 1])(m)
+    assert SpeculativeConfig().resolved_loss_decay_gamma() == 7.0
+
+
+def test_any_base_gpt2_and_qwen3():
+    for cfg in (tiny_gpt2(num_layers=3), tiny_llama(num_layers=3, qk_layernorm=True, sliding_window=4)):
+        m = SpeculativeTransform(algorithm="dflash", target_layer_ids=[1])(build_gpt(cfg))
+        res = m.training_losses(torch.randint(0, 90, (2, 12)))
+        assert torch.isfinite(res["loss"]) and len(res["step_losses"]) == 15
+
+
+def test_hydra_spec_group_composes():
+    from nemo_spec.training.cli import compose, typed_config
+
+    tc, _ = typed_config(compose(["model_path=/m", "spec=dflash", "data.path=/d", "spec.block_size=8"]))
+    assert tc.spec.algorithm == "dflash" and tc.spec.block_size == 8 and tc.spec.num_eagle_layers == 2
+
+
+# ---- attention: training blocks == drafting one block over its prefix ----------------------------------------
+def _one_block(m, ids, feats, p, B):
+    """The draft's block anchored at p drafted alone, context = base features of positions < p."""
+    d = m.eagle_module
+    tok = torch.full((1, B), d.mask_token_id, dtype=torch.long)
+    tok[0, 0] = ids[0, p]
+    ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None], target=feats[:, :p].transpose(0, 1),
+                        ctx_position_ids=torch.arange(p)[None])
+    return d(m.gpt, tok, ctx)[0][0]
+
+
+def test_training_blocks_equal_one_block_drafting():
+    m = _model(seed=1)
+    B = m.spec_config.block_size
+    ids = torch.randint(0, 90, (1, 20))
+    with torch.no_grad():
+        out = m.base_forward(ids, compute_logits=False)
+        feats = m.fuse(m.base_features(out))
+        res = m.training_losses(ids, base_out=out, return_logits=True)
+    hid, anchors, keep = res["hidden"], res["anchors"], res["keep"]
+    assert keep.all() and anchors.shape[1] == 19  # every p in [0, s - 1) is an anchor (num_anchors 512)
+    for n in (0, 1, 7, 18):
+        p = int(anchors[0, n])
+        torch.testing.assert_close(hid[0, n * B:(n + 1) * B], _one_block(m, ids, feats, p, B), rtol=1e-4, atol=1e-5)
+
+
+def test_training_chunks_do_not_change_the_result(monkeypatch):
+    import nemo_spec.speculative.dflash as dfl
+
+    m = _model(seed=2)
+    ids = torch.randint(0, 90, (2, 16))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[1, 9:] = False  # ragged: row 1 has fewer anchors
+    with torch.no_grad():
+        a = m.training_losses(ids, lm, return_logits=True)["hidden"]
+        torch.manual_seed(0)
+        monkeypatch.setattr(dfl, "DFLASH_CHUNK_ELEMENTS", 1)  # one block per chunk
+        b = m.training_losses(ids, lm, return_logits=True)
+    keep = b["keep"].repeat_interleave(4, 1)
+    torch.testing.assert_close(a[keep], b["hidden"][keep], rtol=1e-4, atol=1e-5)
+
+
+def test_anchor_sampling_follows_the_loss_mask():
+    lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    anchors, keep = sample_anchors(lm, 10, torch.Generator().manual_seed(0))
+    assert anchors[0][keep[0]].tolist() == [1, 2, 5] and anchors[1][keep[1]].tolist() == [0]
+    anchors, keep = sample_anchors(lm, 2, torch.Generator().manual_seed(0))
+    assert keep.sum(1).tolist() == [2, 1] and set(anchors[0].tolist()) <= {1, 2, 5}
+
+
+def test_loss_weights_and_training_lowers_it():
+    m = _model(seed=3, perturb=False)
+    m.train()
+    base_before = {k: v.clone() for k, v in m.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    torch.manual_seed(0)
+    data = torch.randint(0, 12, (4, 24))  # a small alphabet: learnable quickly
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        res = m.training_losses(data)
+        opt.zero_grad()
+        res["loss"].backward()
+        opt.step()
+        losses.append(float(res["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all(torch.equal(v, m.gpt.state_dict()[k]) for k, v in base_before.items())  # base bit-identical
+    assert all(p.grad is None for p in m.gpt.parameters())
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    from nemo_spec.checkpoint import load_model, read_checkpoint_config, save_checkpoint
+
+    m = _model(seed=4)
+    path = save_checkpoint(m, tmp_path / "df")
+    conf = read_checkpoint_config(path)["speculative"]
+    assert conf["algorithm"] == "dflash" and conf["target_layer_ids"] == [0, 2] and conf["block_size"] == 4
+    loaded = load_model(path)
+    assert loaded.spec_config == m.spec_config and isinstance(loaded.eagle_module, DFlashDraft)
+    a, b = m.state_dict(), loaded.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+    ids = torch.randint(0, 90, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m.training_losses(ids)["loss"], loaded.eval().training_losses(ids)["loss"])
+
+
+# ---- generation: the cached context == the uncached block forward (ragged rows) ---------------------------------
+def test_cached_context_block_equals_uncached_block():
+    m = _model(seed=5)
+    d = m.eagle_module
+    B = 4
+    ids = torch.randint(0, 90, (2, 14))
+    lens = [9, 5]  # row 1 is shorter: ragged context
+    with torch.no_grad():
+        feats = m.fuse(m.base_features(m.base_forward(ids, compute_logits=False)))
+        cache = m.new_draft_cache(2, 32)
+        # inject in two pieces per row (prefill chunk, then a "verified path"), right-padded
+        d.write_context(cache, feats[:, :3], torch.tensor([3, 3]))
+        rest = torch.zeros(2, 6, feats.shape[-1])
+        rest[0, :6], rest[1, :2] = feats[0, 3:9], feats[1, 3:5]
+        d.write_context(cache, rest, torch.tensor([6, 2]))
+        assert cache.lengths.tolist() == lens
+        tok = torch.full((2, B), d.mask_token_id, dtype=torch.long)
+        tok[:, 0] = torch.tensor([ids[0, 9], ids[1, 5]])
+        pos = cache.lengths[:, None] + torch.arange(B)[None]
+        got = d(m.gpt, tok, DFlashContext(position_ids=pos, cache=cache, kv_len=9))[0]
+        for r, p in enumerate(lens):
+            torch.testing.assert_close(got[r], _one_block(m, ids[r:r + 1], feats[r:r + 1], p, B), rtol=1e-4,
+                                       atol=1e-5)
+
+
+# ---- export: the z-lab format through the SGLang 0.5.23 / vLLM 0.33.0 / z-lab readers -----------------------
+def _trained(seed=6, steps=15):
+    m = _model(seed=seed)
+    m.train()
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    data = torch.randint(0, 20, (4, 20))
+    for _ in range(steps):
+        loss = m.training_losses(data)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from nemo_spec.export import export_model
+
+    m = _trained()
+    d = tmp_path_factory.mktemp("dflash_export") / "exp"
+    export_model(m, d, fmt="auto", dtype="fp32", target="all", verify=True)  # verify raises on any mismatch
+    return m, d
+
+
+def test_export_round_trips_through_every_engine_reader(exported):
+    import json
+
+    from nemo_spec.export.engines import verify_export
+
+    m, d = exported
+    info = json.loads((d / "export_info.json").read_text())
+    assert info["format"] == "dflash" and sorted(info["engines"]) == ["reference", "sglang", "vllm"]
+    conf = json.loads((d / "draft" / "sglang" / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 4
+    assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]}
+    assert "eagle_aux_hidden_state_layer_ids" not in conf and conf["rope_theta"] == 10000.0
+    rows = verify_export(d, model=m, seq_len=11)
+    assert {r.engine: r.status for r in rows} == {"base": "ok", "vllm": "ok", "sglang": "ok", "reference": "ok"}
+    assert all(r.max_abs_diff < 1e-4 for r in rows), rows
+    assert "DFLASH" in (d / "README.md").read_text() and '"method": "dflash"' in (d / "README.md").read_text()
+
+
+def test_readers_catch_broken_exports(exported, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export.engines import verify_export
+
+    m, d = exported
+
+    def broken(edit_conf=None, edit_w=None):
+        out = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d, out)
+        for eng in ("vllm", "sglang", "reference"):
+            p = out / "draft" / eng
+            conf = json.loads((p / "config.json").read_text())
+            if edit_conf:
+                edit_conf(conf)
+            (p / "config.json").write_text(json.dumps(conf))
+            if edit_w:
+                w = load_file(p / "model.safetensors")
+                edit_w(w)
+                save_file(w, p / "model.safetensors")
+        return {r.engine: r for r in verify_export(out, model=m, seq_len=11) if r.engine != "base"}
+
+    # the off-by-one: ids naming the residual entering each layer (vLLM's own numbering) shift every reader
+    rows = broken(lambda c: c["dflash_config"].update(target_layer_ids=[1, 3]))
+    assert all(r.status == "mismatch" for r in rows.values()), rows
+    # vLLM takes eagle_aux_hidden_state_layer_ids as is (no +1): written in z-lab numbering it is wrong for vLLM
+    rows = broken(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2]))
+    assert rows["vllm"].status == "mismatch" and rows["sglang"].status == rows["reference"].status == "ok"
+    rows = broken(lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=64))  # causal in vLLM
+    assert rows["vllm"].status == "mismatch"
+    rows = broken(lambda c: c["dflash_config"].update(mask_token_id=8))
+    assert all(r.status == "mismatch" for r in rows.values())
+    rows = broken(edit_w=lambda w: w.pop("layers.1.self_attn.k_norm.weight"))
+    assert all(r.status == "mismatch" and "k_norm" in r.detail for r in rows.values())
+    rows = broken(edit_w=lambda w: w.update(mask_hidden=torch.zeros(1, 1, 128)))
+    assert rows["vllm"].status == "mismatch" and "mask_hidden" in rows["vllm"].detail
+
+
+def test_import_draft_restores_the_draft(exported):
+    from nemo_spec.export import import_draft
+
+    m, d = exported
+    fresh = _model(seed=9)
+    assert import_draft(fresh, d) == "dflash"
+    a, b = m.eagle_module.state_dict(), fresh.eagle_module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+
+
+def test_offline_base_states_give_the_online_loss():
+    from nemo_spec.training.offline import base_output_from_batch
+
+    m = _model(seed=7)
+    ids = torch.randint(0, 90, (2, 16))
+    with torch.no_grad():
+        out = m.base_forward(ids, compute_logits=False)
+        batch = {"input_ids": ids, "base_hidden": out.hidden, "base_aux": torch.stack(out.aux_hidden, 2)}
+        stored = base_output_from_batch(m, batch)
+        assert stored.logits is None  # DFlash's hard targets need no base logits
+        torch.manual_seed(0)
+        online = m.training_losses(ids)["loss"]
+        torch.manual_seed(0)
+        offline = m.training_losses(ids, base_out=stored)["loss"]
+    torch.testing.assert_close(online, offline)
