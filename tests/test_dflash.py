@@ -282,6 +282,39 @@ def test_import_draft_restores_the_draft(exported):
     assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
 
 
+def test_import_draft_refuses_a_draft_of_other_settings(exported, tmp_path):
+    """A DFlash export made for other base layers, another mask token, block size or layer count is refused by
+    name (it would load and draft from the wrong inputs); a missing or an extra tensor is an ExportError."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export import ExportError, import_draft
+
+    m, d = exported
+    for kw, needle in ((dict(target_layer_ids=[1, 2]), "target_layer_ids"), (dict(mask_token_id=9), "mask_token_id"),
+                       (dict(block_size=3), "block_size"), (dict(num_layers=1), "num_hidden_layers")):
+        with pytest.raises(ExportError, match=needle):
+            import_draft(_model(seed=9, **kw), d)
+
+    def edited(edit):
+        out = tmp_path / f"e{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d, out)
+        for p in (out / "draft").glob("*/model.safetensors"):
+            w = load_file(p)
+            edit(w)
+            save_file(w, p)
+        return out
+
+    with pytest.raises(ExportError, match="hidden_norm.weight"):
+        import_draft(_model(seed=9), edited(lambda w: w.pop("hidden_norm.weight")))
+    with pytest.raises(ExportError, match="unexpected"):
+        import_draft(_model(seed=9), edited(lambda w: w.update(mask_hidden=torch.zeros(1, 1, 8))))
+    with pytest.raises(ExportError, match="unexpected"):  # a third layer the draft does not have
+        import_draft(_model(seed=9), edited(lambda w: w.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in
+                                                                 list(w.items()) if k.startswith("layers.1.")})))
+
+
 def test_offline_base_states_give_the_online_loss():
     from nemo_spec.training.offline import base_output_from_batch
 

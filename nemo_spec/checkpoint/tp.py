@@ -179,7 +179,7 @@ def gather_full_state_dict(model: torch.nn.Module, gated: bool) -> Dict[str, tor
         experts = {k: v for k, v in local.items() if expert_name(k) is not None}
         parts: List[Dict[str, torch.Tensor]] = [None] * ep  # type: ignore[list-item]
         dist.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
-        local = ep_merge_state_dicts([local] + parts[1:])
+        local = ep_merge_state_dicts([{**local, **parts[0]}] + parts[1:])  # rank 0 experts first, everywhere
     return local
 
 

@@ -476,7 +476,7 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
     elif fmt == "dflash":
         from nemo_spec.export.dflash import dflash_from_hf
 
-        neutral = dflash_from_hf(tensors, cfg, spec.spec_config)
+        neutral = dflash_from_hf(tensors, conf, cfg, spec.spec_config)
     elif fmt == "medusa":
         neutral = medusa_fmt.medusa_from_reference(tensors, conf)
     else:

@@ -98,17 +98,38 @@ def dflash_to_hf(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return out, conf
 
 
-def dflash_from_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig
-                   ) -> Dict[str, torch.Tensor]:
-    """Inverse of :func:`dflash_to_hf` for the tensors: HF names -> neutral draft-module names."""
+def dflash_from_hf(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any], cfg: ModelConfig,
+                   spec: SpeculativeConfig) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`dflash_to_hf` for the tensors: HF names -> neutral draft-module names.
+
+    The export's ``config.json`` must describe the model's draft (layers, block size, mask token, target layers):
+    a draft made for other base layers or another mask token would load and silently draft from the wrong inputs.
+    Every tensor of the file is mapped, so one the draft does not have is refused by the strict load."""
     from nemo_spec.checkpoint.families import rules_to_megatron
+    from nemo_spec.export.eagle import _need
     from nemo_spec.export.formats import ExportError
     from nemo_spec.speculative.dflash import dflash_layer_model_config
 
+    dcfg = conf.get("dflash_config") or {}
+    want = {"num_hidden_layers": int(spec.num_eagle_layers), "block_size": int(spec.block_size),
+            "dflash_config.mask_token_id": int(spec.resolved_mask_token_id(cfg)),
+            "dflash_config.target_layer_ids": list(spec.resolved_target_layer_ids(cfg.num_layers))}
+    got = {"num_hidden_layers": conf.get("num_hidden_layers"), "block_size": conf.get("block_size"),
+           "dflash_config.mask_token_id": dcfg.get("mask_token_id"),
+           "dflash_config.target_layer_ids": dcfg.get("target_layer_ids")}
+    bad = [f"{k}={got[k]!r} (the model's draft: {v!r})" for k, v in want.items() if got[k] != v]
+    if bad:
+        raise ExportError("config.json does not describe this model's DFlash draft: " + "; ".join(bad)
+                          + " -- transform the base with the export's settings")
     lcfg = dflash_layer_model_config(cfg)
-    out = {"fc.weight": tensors["fc.weight"], "hidden_norm.weight": tensors["hidden_norm.weight"],
-           "final_layernorm.weight": tensors["norm.weight"]}
-    for i in range(int(spec.num_eagle_layers)):
+    out = {"fc.weight": _need(tensors, "fc.weight"), "hidden_norm.weight": _need(tensors, "hidden_norm.weight"),
+           "final_layernorm.weight": _need(tensors, "norm.weight")}
+    layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.") and k.split(".")[1].isdigit()})
+    for i in layers:
         out.update(rules_to_megatron(dflash_layer_rules(), tensors, lcfg, f"layers.{i}.", f"layers.{i}.",
                                      error=ExportError))
+    known = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    extra = sorted(k for k in tensors if k not in known and not k.startswith("layers."))
+    if extra:
+        raise ExportError(f"unexpected tensors in the DFlash export: {extra[:8]}")
     return out

@@ -92,6 +92,13 @@ def ep2_checks(hf_dir, blob, work, logits1, ar1, draft, checkpoint: bool) -> str
     d_hf = max((logits - blob["logits"]).abs().max().item(), (slow - blob["logits"]).abs().max().item())
     assert d_ep < 1e-5 and d_hf < 1e-4, (hf_dir, d_ep, d_hf)
     export_hf(base, f"{work}/hf")
+    # the gathered full state dict is the same on every EP rank (rank 0's is what export_hf wrote)
+    from nemo_spec.checkpoint.tp import gather_full_state_dict
+    full = gather_full_state_dict(base, gated=True)
+    every: list = [None, None]
+    torch.distributed.all_gather_object(every, full)
+    assert every[0].keys() == every[1].keys() and all(torch.equal(every[0][k], every[1][k]) for k in full), \
+        "gather_full_state_dict differs between EP ranks"
     ar = _tokens(base)
     assert ar == ar1, (ar, ar1)
 
