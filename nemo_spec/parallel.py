@@ -5,7 +5,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -160,3 +160,22 @@ def drop_inference_buffers() -> None:
 def is_rank_zero() -> bool:
     """True on global rank 0 (or without torch.distributed)."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def same_on_generation_ranks(values: List[int]) -> List[int]:
+    """``values`` broadcast from the first rank of the ranks that run one generation together, so they all take
+    the same host-side choice (sampling seeds, a draft length): the tensor-parallel group, and under expert
+    parallelism every rank (the MoE dispatcher gathers equal-shaped token blocks over the expert group, so the EP
+    ranks' forwards must agree in shape). A no-op on one process."""
+    from megatron.core import parallel_state
+
+    if not values or not dist.is_initialized() or (tp_size() <= 1 and ep_size() <= 1):
+        return list(values)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(list(values), dtype=torch.long, device=dev)
+    if ep_size() > 1:
+        dist.broadcast(t, src=0)
+    else:
+        dist.broadcast(t, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                       group=parallel_state.get_tensor_model_parallel_group())
+    return [int(x) for x in t.tolist()]

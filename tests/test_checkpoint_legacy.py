@@ -194,6 +194,14 @@ def test_tp_that_does_not_divide(llama_tp1_dir):
         load_model(root, tp_size=4)
 
 
+def test_expert_parallel_size_is_refused_for_dense_only_readers(llama_tp1_dir):
+    from nemo_spec.checkpoint.megatron import CheckpointError
+
+    root, _ = llama_tp1_dir
+    with pytest.raises(CheckpointError, match="ep_size=2 given for a megatron_.* checkpoint"):
+        load_model(root, ep_size=2)
+
+
 def test_broken_layouts(llama_tp1_dir, tmp_path):
     root, _ = llama_tp1_dir
     tracker = root / "latest_checkpointed_iteration.txt"

@@ -170,6 +170,10 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
         return _read_own_config(p)
+    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
+        raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
+                              "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
+                              "checkpoints)")
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
@@ -241,6 +245,10 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
         fmt = detect_format(p)
     except CheckpointError:
         return None
+    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
+        raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
+                              "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
+                              "checkpoints)")
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
@@ -571,6 +579,10 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
         return _load_own(p, tp_size, dtype, base_only, ep_size)
+    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
+        raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
+                              "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
+                              "checkpoints)")
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
@@ -582,10 +594,10 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     if fmt == "gguf":
         from nemo_spec.checkpoint import gguf
 
-        tp = _target_tp(tp_size)
+        tp, ep = _target_tp(tp_size), _target_ep(ep_size)
         cfg, _ = gguf.read_gguf_config(p)
-        check_tp(cfg, tp, str(p))
-        _ensure_parallel(tp)
+        check_tp(cfg, tp, str(p), ep)
+        _ensure_parallel(tp, ep)
         return gguf.load_gguf(p, params_dtype=dtype or torch.float32)
     hf = _import_hf()
     tp, ep = _target_tp(tp_size), _target_ep(ep_size)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
+from nemo_spec import parallel
+
 log = logging.getLogger(__name__)
 
 
@@ -110,7 +112,7 @@ class AdaptiveSpeculation:
             i = 0
         else:
             i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j))
-        i = _same_on_tp_ranks(i)
+        i = parallel.same_on_generation_ranks([i])[0]
         self.steps += 1
         self.since_top = 0 if i == top else self.since_top + 1
         self.chosen[i] = self.chosen.get(i, 0) + 1
@@ -144,19 +146,3 @@ class AdaptiveSpeculation:
         return {"chosen": {self.levels[i]: k for i, k in sorted(self.chosen.items())},
                 "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[1:], self.trials[1:])],
                 "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd}}
-
-
-def _same_on_tp_ranks(i: int) -> int:
-    from nemo_spec import parallel
-
-    if parallel.tp_size() <= 1:
-        return i
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([i], dtype=torch.long, device=dev)
-    dist.broadcast(t, src=parallel_state.get_tensor_model_parallel_src_rank(),
-                   group=parallel_state.get_tensor_model_parallel_group())
-    return int(t.item())

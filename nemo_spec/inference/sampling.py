@@ -22,6 +22,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_spec import parallel
+
 
 class SamplingError(ValueError):
     """An invalid sampling/generation parameter; the message names the field and the value."""
@@ -131,26 +133,10 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def _same_on_tp_ranks(seeds: List[int]) -> List[int]:
-    """Broadcast seeds from the first rank of the tensor-parallel group so every rank samples the same tokens."""
-    from nemo_spec import parallel
-
-    if parallel.tp_size() <= 1 or not seeds:
-        return seeds
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(seeds, dtype=torch.long, device=dev)
-    dist.broadcast(t, src=parallel_state.get_tensor_model_parallel_src_rank(),
-                   group=parallel_state.get_tensor_model_parallel_group())
-    return [int(x) for x in t.tolist()]
-
-
 def row_generators(seeds: Sequence[Optional[int]]) -> List[torch.Generator]:
-    """One seeded CPU generator per seed (None: a random seed, the same on every TP rank)."""
+    """One seeded CPU generator per seed (None: a random seed, the same on every rank of the generation)."""
     resolved = [int(s) if s is not None else int(torch.randint(0, 2**62, (1,)).item()) for s in seeds]
-    resolved = _same_on_tp_ranks(resolved)
+    resolved = parallel.same_on_generation_ranks(resolved)
     gens: List[torch.Generator] = []
     for s in resolved:
         g = torch.Generator(device="cpu")

@@ -107,6 +107,18 @@ def ep2_checks(hf_dir, blob, work, logits1, ar1, draft, checkpoint: bool) -> str
     assert not missing.unexpected_keys, missing.unexpected_keys
     assert _tokens(spec, "eagle") == ar1
     assert _tokens(spec, "eagle_tree") == ar1
+    # adaptive speculation times its own steps on each rank: the chosen draft length must be the same on every EP
+    # rank (the MoE dispatcher gathers equal-shaped blocks), else the ranks' verify shapes differ
+    from nemo_spec.inference import SamplingParams, generate
+    with torch.no_grad():
+        adaptive = [o.tokens for o in generate(spec, PROMPTS, SamplingParams(max_new_tokens=8), method="eagle",
+                                               options={**EAGLE, "adaptive": True})]
+        sampled = [o.tokens for o in generate(spec, PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0),
+                                              method="eagle", options=EAGLE)]  # unseeded rows
+    assert adaptive == ar1, (adaptive, ar1)
+    both: list = [None, None]
+    torch.distributed.all_gather_object(both, sampled)
+    assert both[0] == both[1], both
 
     # two draft steps; the EP ranks (= data-parallel ranks here) see batches of different lengths
     g = torch.Generator().manual_seed(10 + rank)
