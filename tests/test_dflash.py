@@ -129,7 +129,43 @@ def test_anchor_sampling_follows_the_loss_mask():
     assert keep.sum(1).tolist() == [2, 1] and set(anchors[0].tolist()) <= {1, 2, 5}
 
 
-def test_loss_weights_and_training_lowers_it():
+def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone():
+    """The training loss, recomputed by hand: every anchor p (loss_mask[p] and [p+1]; all of them, as num_anchors
+    exceeds the length) drafted alone over its prefix; slot k >= 1 scored by CE against x_{p+k}, weighted
+    exp(-(k-1)/gamma) * loss_mask[p+k] (0 past the end), normalised by the summed weights."""
+    import math
+
+    import torch.nn.functional as F
+
+    m = _model(seed=4, block_size=4, loss_decay_gamma=2.0)
+    B, gamma = 4, m.spec_config.resolved_loss_decay_gamma()
+    assert gamma == 2.0
+    ids = torch.randint(0, 90, (1, 14), generator=torch.Generator().manual_seed(5))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[0, 5] = lm[0, 6] = False  # a hole: no anchors at 4, 5, 6; slots landing on 5, 6 weigh 0
+    with torch.no_grad():
+        out = m.base_forward(ids, compute_logits=False)
+        feats = m.fuse(m.base_features(out))
+        got = m.training_losses(ids, lm, base_out=out)["loss"]
+        num = den = 0.0
+        for p in range(13):
+            if not (lm[0, p] and lm[0, p + 1]):
+                continue
+            tok = torch.full((1, B), m.eagle_module.mask_token_id, dtype=torch.long)
+            tok[0, 0] = ids[0, p]
+            ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None], target=feats[:, :p].transpose(0, 1),
+                                ctx_position_ids=torch.arange(p)[None])
+            logits = m.eagle_module(m.gpt, tok, ctx)[1][0].float()
+            for k in range(1, B):
+                if p + k >= ids.shape[1] or not lm[0, p + k]:
+                    continue
+                w = math.exp(-(k - 1) / gamma)
+                num += w * float(F.cross_entropy(logits[k][None], ids[0, p + k][None]))
+                den += w
+    torch.testing.assert_close(got, torch.tensor(num / den), rtol=1e-4, atol=1e-5)
+
+
+def test_training_lowers_the_loss_and_leaves_the_base_alone():
     m = _model(seed=3, perturb=False)
     m.train()
     base_before = {k: v.clone() for k, v in m.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -190,6 +226,70 @@ def test_cached_context_block_equals_uncached_block():
 
 
 # ---- export: the z-lab format through the SGLang 0.5.23 / vLLM 0.33.0 / z-lab readers -----------------------
+def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
+    """Greedy equality cannot see a wrong draft (the target corrects it), so every block the proposer drafts in a
+    real session -- rows joining (max_batch 3 of 8), chunked prefill, slots swapped, greedy and sampled rows -- is
+    compared with the draft run without its cache over the row's whole sequence; the draft cache holds exactly the
+    committed context."""
+    import nemo_spec.inference.dflash as D
+    from nemo_spec.inference import SamplingParams, generate
+
+    m = _model(seed=3)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in m.draft_parameters():  # drafts that differ from the target: real rejections and ragged rows
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    d = m.eagle_module
+
+    def uncached(seq, k):
+        L = len(seq) - 1
+        feats = m.fuse(m.base_features(m.base_forward(torch.tensor([seq]), compute_logits=False)))
+        tok = torch.full((1, k + 1), d.mask_token_id, dtype=torch.long)
+        tok[0, 0] = seq[L]
+        ctx = DFlashContext(position_ids=torch.arange(L, L + k + 1)[None], target=feats[:, :L].transpose(0, 1),
+                            ctx_position_ids=torch.arange(L)[None])
+        return d(m.gpt, tok, ctx)[1][0, 1:].argmax(-1).tolist()
+
+    orig, seen = D.DFlashProposer.propose, []
+
+    def checked(self, sess, st, level=None):
+        tree = orig(self, sess, st, level)
+        for r in range(st.b if tree.tokens.shape[1] else 0):
+            assert len(st.seqs[r]) - 1 == st.lengths[r] == int(self.cache.lengths[r])
+            got = tree.tokens[r].tolist()
+            seen.append(got == uncached(st.seqs[r], len(got)))
+        return tree
+
+    monkeypatch.setattr(D.DFlashProposer, "propose", checked)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3], [40, 41, 42, 40, 41, 42, 40], [77]] * 2
+    budgets = [4 + (3 * i) % 7 for i in range(len(prompts))]
+    opts = {"max_batch": 3, "prefill_chunk_tokens": 4}
+    with torch.no_grad():
+        generate(m, prompts, [SamplingParams(max_new_tokens=n) for n in budgets], method="dflash", options=opts)
+        generate(m, prompts, [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate(budgets)],
+                 method="dflash", options=opts)
+    assert len(seen) > 20 and all(seen), (len(seen), seen.count(False))
+
+
+def test_validation_tau_drafts_the_whole_trained_block(monkeypatch):
+    """The recipe's tau (trainer.acceptance_depth is a chain length for EAGLE) lets a DFlash draft propose all of
+    its B - 1 trained mask slots: tau <= B, not <= acceptance_depth + 1."""
+    import nemo_spec.inference.dflash as D
+    from nemo_spec.training.callbacks import measure_tau
+
+    depths = []
+    init = D.DFlashProposer.__init__
+
+    def spy(self, model, options):
+        init(self, model, options)
+        depths.append(self.depth)
+
+    monkeypatch.setattr(D.DFlashProposer, "__init__", spy)
+    m = _model(seed=3, block_size=6)
+    tau = measure_tau(m, [[5, 6, 7, 8], [11, 3, 4]], depth=2, max_new_tokens=6)
+    assert depths == [5] and 1.0 <= tau <= 6.0
+
+
 def _trained(seed=6, steps=15):
     m = _model(seed=seed)
     m.train()

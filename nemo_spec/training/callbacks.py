@@ -13,7 +13,8 @@ log = logging.getLogger(__name__)
 def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth: int = 4, max_new_tokens: int = 24,
                 method: Optional[str] = None) -> float:
     """Acceptance length of greedy chain speculative decoding on ``prompts``: tokens per decoding step (accepted
-    drafts + 1), prefill excluded, pooled over all steps of all prompts."""
+    drafts + 1), prefill excluded, pooled over all steps of all prompts. ``depth`` is the chain length of the
+    autoregressive drafts (EAGLE); parallel drafts (Medusa, P-EAGLE, DFlash) propose all they were trained for."""
     from nemo_spec.inference import SamplingParams, generate
 
     if method is None:
@@ -21,7 +22,9 @@ def measure_tau(model: torch.nn.Module, prompts: Sequence[Sequence[int]], depth:
         method = {"medusa": "medusa", "peagle": "peagle", "dflash": "dflash"}.get(alg, "eagle")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     options = {"num_draft_tokens": depth, "depth": depth, "ignore_eos": True}
-    if method == "medusa":
+    if method in ("medusa", "peagle", "dflash"):
+        # one draft forward proposes everything the draft was trained for (Medusa's heads, P-EAGLE's depths,
+        # DFlash's B - 1 mask slots): tau over all of it, not a chain depth meant for autoregressive drafts
         options = {"ignore_eos": True}
     with torch.no_grad():
         results = generate(model, [list(p) for p in prompts], params, method=method, options=options)
@@ -68,4 +71,6 @@ class AcceptanceLengthCallback(pl.Callback):
         if tau is None:
             return
         pl_module.log("val_tau", torch.tensor(tau), prog_bar=True, batch_size=1)
-        log.info("step %d: acceptance length tau=%.3f (chain depth %d)", trainer.global_step, tau, self.depth)
+        alg = getattr(pl_module.model, "algorithm", None)
+        how = f"chain depth {self.depth}" if alg in ("eagle1", "eagle3") else f"{alg}: every trained draft slot"
+        log.info("step %d: acceptance length tau=%.3f (%s)", trainer.global_step, tau, how)
