@@ -606,6 +606,9 @@ def test_benchmark_reports_ratio():
     assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
     assert r.draft_vocab_size == 32
     assert r.draft_peak_mib > 0 and r.base_peak_mib > 0 and r.idle_mib > 0 and r.formulation == "linear"
+    d = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2,
+                             draft_vocab_size=32, draft_only=True)  # the draft step alone (long-sequence memory runs)
+    assert d.draft_ms > 0 and d.draft_peak_mib > 0 and d.base_ms == d.base_peak_mib == d.ratio == 0
     from nemo_spec.training.benchmark import _parse
 
     _, cfg = _parse([])  # default model: the built-in `small` base shape
