@@ -249,32 +249,9 @@ def _chunked_head_ce(head: torch.nn.Module, x: torch.Tensor,
 
 
 #: EAGLE-3 training (memory-linear path): recompute each unrolled draft step in the backward pass instead of
-#: keeping its activations (each step's layer saves ~20 [s, h]-sized tensors), except the attention outputs: the
-#: part of the layer that is quadratic in s is kept ([s, h] each), the linear part is recomputed
+#: keeping its activations (each step's layer saves ~20 [s, h]-sized tensors; the recomputation is one more
+#: forward of the draft layers, small next to the base's forward)
 CHECKPOINT_TTT_STEPS = True
-
-
-def _attention_ops() -> frozenset:
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-def _keep_attention(ctx, op, *args, **kwargs):
-    """Selective-checkpoint policy: keep attention outputs, recompute everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_ATTENTION_OPS = _attention_ops()
-
-
-def _keep_attention_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_keep_attention)
 
 
 def _fuse_block(model, *aux: torch.Tensor) -> torch.Tensor:
@@ -306,7 +283,7 @@ def _ttt_step_block(model, tokens: torch.Tensor, hidden: torch.Tensor, ctx: TTTC
 def _ttt_draft_step(model, tokens: torch.Tensor, hidden: torch.Tensor, ctx: TTTContext) -> torch.Tensor:
     """Draft hidden states of one training-time-test step (its keys/values appended to ``ctx.store``); with
     autograd recording and :data:`CHECKPOINT_TTT_STEPS`, checkpointed: only its inputs and the new keys/values
-    (which later steps attend to) and its attention outputs stay alive until the backward pass recomputes it."""
+    (which later steps attend to) stay alive until the backward pass recomputes it."""
     if not (CHECKPOINT_TTT_STEPS and torch.is_grad_enabled()):
         out, _ = model.draft_step(tokens, hidden, ctx, head=False)
         return out
@@ -316,8 +293,7 @@ def _ttt_draft_step(model, tokens: torch.Tensor, hidden: torch.Tensor, ctx: TTTC
 
     frozen = dataclasses.replace(ctx, store={}, rope_cache={})  # this step's positions, for the recomputation
     earlier = {k: list(v) for k, v in ctx.store.items()}
-    out, new = checkpoint(_ttt_step_block, model, tokens, hidden, frozen, earlier, use_reentrant=False,
-                          context_fn=_keep_attention_contexts)
+    out, new = checkpoint(_ttt_step_block, model, tokens, hidden, frozen, earlier, use_reentrant=False)
     for k, v in new.items():
         ctx.store.setdefault(k, []).extend(v)
     return out
