@@ -436,18 +436,22 @@ def _reference_eagle3_losses(model, input_ids, loss_mask, ttt_steps, decay=0.8):
     return total, losses, accs
 
 
-@pytest.mark.parametrize("case", ["full_vocab", "draft_vocab_masked", "short"])
-def test_eagle3_loss_matches_reference_formula(case, monkeypatch):
-    """Row-range targets and the row-blocked soft CE give the reference loss, accuracies and draft gradients."""
+@pytest.mark.parametrize("case,checkpointed", [("full_vocab", True), ("draft_vocab_masked", True), ("short", True),
+                                               ("draft_vocab_masked", False), ("two_layers", True)])
+def test_eagle3_loss_matches_reference_formula(case, checkpointed, monkeypatch):
+    """Row-range targets and the row-blocked soft CE give the reference loss, accuracies and draft gradients, with
+    the unrolled steps recomputed in the backward pass (CHECKPOINT_TTT_STEPS) or kept."""
     from nemo_spec.speculative import losses
 
     from nemo_spec.speculative import eagle
 
     monkeypatch.setattr(losses, "_row_block", lambda vocab, device: 5)  # many row blocks, a ragged last one
     monkeypatch.setattr(eagle, "TTT_BLOCK_ELEMENTS", 1)  # TTT attention in query blocks of 16 rows (16 + 5)
+    monkeypatch.setattr(losses, "CHECKPOINT_TTT_STEPS", checkpointed)
     torch.manual_seed(0)
     vd = None if case == "full_vocab" else 40
-    m = SpeculativeTransform(algorithm="eagle3", ttt_steps=3, draft_vocab_size=vd)(build_gpt(tiny_llama()))
+    m = SpeculativeTransform(algorithm="eagle3", ttt_steps=3, draft_vocab_size=vd,
+                             num_eagle_layers=2 if case == "two_layers" else 1)(build_gpt(tiny_llama()))
     with torch.no_grad():
         for p in m.draft_parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -605,6 +609,9 @@ def test_benchmark_reports_ratio():
     assert r.base_ms > 0 and r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.base_ms)
     assert r.draft_vocab_size == 32
     assert r.draft_peak_mib > 0 and r.base_peak_mib > 0 and r.idle_mib > 0 and r.formulation == "linear"
+    d = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2,
+                             draft_vocab_size=32, draft_only=True)  # the draft step alone (long-sequence memory runs)
+    assert d.draft_ms > 0 and d.draft_peak_mib > 0 and d.base_ms == d.base_peak_mib == d.ratio == 0
     from nemo_spec.training.benchmark import _parse
 
     _, cfg = _parse([])  # default model: the built-in `small` base shape

@@ -248,6 +248,57 @@ def _chunked_head_ce(head: torch.nn.Module, x: torch.Tensor,
     return torch.cat(ces), torch.cat(preds)
 
 
+#: EAGLE-3 training (memory-linear path): recompute each unrolled draft step in the backward pass instead of
+#: keeping its activations (each step's layer saves ~20 [s, h]-sized tensors; the recomputation is one more
+#: forward of the draft layers, small next to the base's forward)
+CHECKPOINT_TTT_STEPS = True
+
+
+def _fuse_block(model, *aux: torch.Tensor) -> torch.Tensor:
+    return model.fuse(torch.cat(aux, dim=-1))
+
+
+def _fused_features(model, out: GPTOutput) -> torch.Tensor:
+    """EAGLE-3 fused feature fc(cat(aux hiddens)) [b, s, h]; with autograd recording, the [b, s, 3h] concatenation
+    is recomputed in the backward pass instead of being kept for the fc's weight gradient."""
+    uniq = sorted(set(model.aux_layers))
+    if not (CHECKPOINT_TTT_STEPS and torch.is_grad_enabled()) or len(out.aux_hidden) != len(uniq):
+        return model.fuse(model.base_features(out))  # (base_features raises on a wrong number of aux hiddens)
+    from torch.utils.checkpoint import checkpoint
+
+    by_layer = dict(zip(uniq, (a.detach() for a in out.aux_hidden)))
+    return checkpoint(_fuse_block, model, *[by_layer[i] for i in model.aux_layers], use_reentrant=False)
+
+
+def _ttt_step_block(model, tokens: torch.Tensor, hidden: torch.Tensor, ctx: TTTContext,
+                    earlier: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]]):
+    """One unrolled draft step on a private copy of the earlier steps' keys/values: (hidden, its new keys/values)."""
+    import dataclasses
+
+    own = dataclasses.replace(ctx, store={k: list(v) for k, v in earlier.items()}, rope_cache={})
+    out, _ = model.draft_step(tokens, hidden, own, head=False)
+    return out, {k: v[len(earlier.get(k, ())):] for k, v in own.store.items()}
+
+
+def _ttt_draft_step(model, tokens: torch.Tensor, hidden: torch.Tensor, ctx: TTTContext) -> torch.Tensor:
+    """Draft hidden states of one training-time-test step (its keys/values appended to ``ctx.store``); with
+    autograd recording and :data:`CHECKPOINT_TTT_STEPS`, checkpointed: only its inputs and the new keys/values
+    (which later steps attend to) stay alive until the backward pass recomputes it."""
+    if not (CHECKPOINT_TTT_STEPS and torch.is_grad_enabled()):
+        out, _ = model.draft_step(tokens, hidden, ctx, head=False)
+        return out
+    import dataclasses
+
+    from torch.utils.checkpoint import checkpoint
+
+    frozen = dataclasses.replace(ctx, store={}, rope_cache={})  # this step's positions, for the recomputation
+    earlier = {k: list(v) for k, v in ctx.store.items()}
+    out, new = checkpoint(_ttt_step_block, model, tokens, hidden, frozen, earlier, use_reentrant=False)
+    for k, v in new.items():
+        ctx.store.setdefault(k, []).extend(v)
+    return out
+
+
 def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: GPTOutput,
                   ttt_steps: int, decay: float = 0.8, return_logits: bool = False,
                   token_loss: bool = False) -> Dict[str, object]:
@@ -260,7 +311,8 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
     t + 1 + i), which a masked token mean reduces.
     """
     b, s = input_ids.shape
-    feats = model.fuse(model.base_features(out))
+    linear = not (return_logits or REFERENCE_FORMULATION)
+    feats = _fused_features(model, out) if linear else model.fuse(model.base_features(out))
     probs, top, in_vocab = eagle3_targets(model, out)
     vd = probs.shape[-1]
     mask_sb = loss_mask.bool().t()
@@ -283,7 +335,7 @@ def eagle3_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out: 
             hidden, logits = model.draft_step(tokens, hidden, ctx)
             ce, pred = soft_cross_entropy_rows(logits.transpose(0, 1).reshape(s * b, vd), targets)
         else:  # the draft head and its loss in checkpointed row blocks: no [s, b, Vd] logits for the sequence
-            hidden, _ = model.draft_step(tokens, hidden, ctx, head=False)
+            hidden = _ttt_draft_step(model, tokens, hidden, ctx)
             ce, pred = _chunked_head_ce(model.eagle_module, hidden.transpose(0, 1).reshape(s * b, -1), targets)
         mask = mask_sb[2 + i: 2 + i + n]
         if in_vocab is not None:
