@@ -311,8 +311,9 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
 
     ``fmt``: 'auto' (the model's draft algorithm, or 'base' for an untransformed model), 'base', 'eagle3',
-    'eagle1', 'medusa', 'dflash'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for that engine) or
-    'all' (``draft/<engine>/`` for every engine that can run the draft). ``base_name`` is recorded as
+    'eagle1', 'medusa', 'dflash', 'peagle'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for
+    that engine) or 'all' (``draft/<engine>/`` for every engine that can run the draft; engines that do not serve the
+    format are recorded in export_info.json ``skipped_engines`` with the reason). ``base_name`` is recorded as
     ``base_model_name_or_path`` in the draft config (default: the absolute path of ``export_dir/base`` when the base
     is exported, else ``source``). ``verify``: read the export back through every engine's conformance reader and
     raise ExportError on a mismatch (needs the base; TP=1).

@@ -137,7 +137,10 @@ def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[s
 
 def export_peagle(model: torch.nn.Module, out_dir: Any, num_speculative_tokens: Optional[int] = None,
                   verifier: str = "../base") -> Path:
-    """Write ``model``'s P-EAGLE draft to ``out_dir`` (config.json + model.safetensors); every TP rank calls it."""
+    """Write ``model``'s P-EAGLE draft to ``out_dir`` (config.json + model.safetensors); every TP rank calls it.
+
+    Low level (the draft directory only, nothing verified); the normal path is ``export_model(model, dir)``
+    (base + ``draft/vllm/`` + README + export_info, read back by the vLLM reader)."""
     from safetensors.torch import save_file
 
     from nemo_spec import parallel
