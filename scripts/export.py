@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a checkpoint's base (Hugging Face) and draft (EAGLE-3 / EAGLE-1 / Medusa / DFlash) for serving engines."""
+"""Export a checkpoint's base (Hugging Face) and draft (EAGLE-3 / EAGLE-1 / Medusa / DFlash / P-EAGLE) for serving engines."""
 import sys
 
 from nemo_spec import entry  # noqa: E402

@@ -377,3 +377,16 @@ def test_eagle3_full_vocab_two_layers_vllm_layout(tmp_path):
     assert "layers.1.input_layernorm.weight" in w and "d2t" not in w and "t2d" not in w  # vLLM: no d2t param
     assert torch.equal(base_ids, torch.arange(model.model_config.vocab_size))
     assert (ref - our_draft_logits(model, ids, feats)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("target", ["vllm", "sglang", "trtllm"])
+def test_eagle3_unsorted_aux_layers_import_back_in_aux_order(tmp_path, target):
+    """The files hold fc over the sorted captured layers; import puts the blocks back in the draft's aux order
+    (was: a distinct but unsorted aux list imported with permuted fc blocks)."""
+    model = make_model("eagle3", seed=21, aux_layers=[2, 0, 1]).eval()
+    exp = export_model(model, tmp_path / "e", dtype="fp32", include_base=False, target=target)
+    fresh = make_model("eagle3", seed=21, aux_layers=[2, 0, 1]).eval()
+    with torch.no_grad():
+        fresh.eagle_module.fc.weight.zero_()
+    import_draft(fresh, exp)
+    assert torch.equal(fresh.eagle_module.fc.weight, model.eagle_module.fc.weight)

@@ -193,16 +193,29 @@ def test_checkpoint_roundtrip(tmp_path):
 
 
 # ---- export: the speculators format through vLLM 0.33.0's reading ---------------------------------------------
+def _trained(seed=4, steps=10):
+    """A tiny P-EAGLE draft (reduced vocabulary, unsorted distinct aux layers) trained a few steps."""
+    m = _model(seed=seed, draft_vocab_size=48, aux_layers=[3, 0, 1])
+    m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
+    m.train()
+    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
+    data = torch.randint(0, 96, (4, 24), generator=torch.Generator().manual_seed(seed))
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        loss = m.training_losses(data)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from nemo_spec.export import export_model
-    from nemo_spec.export.peagle import export_peagle
 
-    m = _model(seed=4, draft_vocab_size=48, aux_layers=[3, 0, 1])
-    m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
+    m = _trained()
     d = tmp_path_factory.mktemp("pe_export")
-    export_model(m, d / "exp", fmt="base", dtype="fp32")
-    export_peagle(m, d / "exp" / "draft", num_speculative_tokens=3)
+    export_model(m, d / "exp", dtype="fp32", target="vllm", verify=True)  # the normal path; raises on a mismatch
     return m, d / "exp"
 
 
@@ -278,3 +291,157 @@ def test_export_refuses_duplicate_aux_layers():
 
     with pytest.raises(ExportError, match="distinct base layers"):
         export_peagle(_model(perturb=False), "/nonexistent/never-written")
+
+
+# ---- export through export_model / scripts/export.py / verify_export / import_draft -----------------------------
+@pytest.fixture(scope="module")
+def exported_all(tmp_path_factory):
+    from nemo_spec.checkpoint import save_checkpoint
+    from nemo_spec.export import export_model
+
+    m = _trained(seed=5)
+    d = tmp_path_factory.mktemp("pe_all")
+    ckpt = save_checkpoint(m, d / "ckpt")
+    export_model(m, d / "exp", fmt="auto", dtype="fp32", verify=True)
+    return m, d / "exp", ckpt
+
+
+def test_export_model_writes_the_speculators_layout_for_vllm_only(exported_all):
+    import json
+
+    from nemo_spec.export import detect_draft_format
+    from nemo_spec.export.engines import verify_export
+
+    m, d, _ = exported_all
+    info = json.loads((d / "export_info.json").read_text())
+    assert info["format"] == "peagle" and list(info["engines"]) == ["vllm"]
+    assert info["engines"]["vllm"] == {"dir": "draft/vllm", "launch": {"num_speculative_tokens": 3}}
+    assert sorted(info["skipped_engines"]) == ["reference", "sglang", "trtllm"]
+    assert "spec_info.py:32-47" in info["skipped_engines"]["sglang"]
+    conf = json.loads((d / "draft" / "vllm" / "config.json").read_text())
+    assert conf["speculators_model_type"] == "peagle" and conf["architectures"] == ["PEagleSpeculator"]
+    assert conf["speculators_config"]["verifier"]["name_or_path"] == str(d / "base")
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4] and conf["torch_dtype"] == "float32"
+    assert detect_draft_format(d) == "peagle"
+    rows = {r.engine: r for r in verify_export(d, model=m, seq_len=11)}
+    assert {k: r.status for k, r in rows.items()} == {"base": "ok", "vllm": "ok", "sglang": "unsupported",
+                                                      "trtllm": "unsupported", "reference": "unsupported"}
+    assert rows["vllm"].max_abs_diff < 1e-4 and "parallel drafting" in rows["sglang"].detail
+    readme = (d / "README.md").read_text()
+    assert '"parallel_drafting": true' in readme and "SGLang: not exported" in readme
+
+
+def test_export_to_an_engine_without_p_eagle_says_so(exported_all, tmp_path):
+    from nemo_spec.export import export_model
+    from nemo_spec.export.formats import ExportError
+
+    m = exported_all[0]
+    for target, why in (("sglang", "no P-EAGLE / parallel drafting"), ("trtllm", "no P-EAGLE / parallel drafting"),
+                        ("reference", "no reference reader for P-EAGLE")):
+        with pytest.raises(ExportError, match=f"{target} .*cannot serve a peagle draft.*{why}.*serve it: \\['vllm'\\]"):
+            export_model(m, tmp_path / target, target=target)
+    with pytest.raises(ExportError, match="carries a peagle draft; it cannot be exported as eagle3"):
+        export_model(m, tmp_path / "e3", fmt="eagle3")
+    assert not any(tmp_path.iterdir())
+
+
+def test_verify_export_catches_broken_p_eagle_exports(exported_all, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_spec.export.engines import verify_export
+
+    m, d, _ = exported_all
+
+    def vllm_row(edit_conf=None, edit_w=None):
+        out = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d, out)
+        p = out / "draft" / "vllm"
+        if edit_conf:
+            conf = json.loads((p / "config.json").read_text())
+            edit_conf(conf)
+            (p / "config.json").write_text(json.dumps(conf))
+        if edit_w:
+            w = load_file(p / "model.safetensors")
+            edit_w(w)
+            save_file(w, p / "model.safetensors")
+        return {r.engine: r for r in verify_export(out, model=m, seq_len=11)}["vllm"]
+
+    r = vllm_row(lambda c: c.update(mask_token_id=8))  # loads, but the mask slots embed another token
+    assert r.status == "mismatch" and r.max_abs_diff > 1e-3
+    r = vllm_row(edit_w=lambda w: w.pop("layers.1.mlp.down_proj.weight"))
+    assert r.status == "mismatch" and "layers.1.mlp.down_proj.weight" in r.detail
+    r = vllm_row(edit_w=lambda w: w.pop("mask_hidden"))
+    assert r.status == "mismatch" and "mask_hidden" in r.detail
+    r = vllm_row(edit_w=lambda w: w.update(d2t=w["d2t"] + 1))  # another draft vocabulary (ids 1..48)
+    assert r.status == "mismatch"
+    r = vllm_row(lambda c: c["speculators_config"]["proposal_methods"][0].pop("speculative_tokens"))
+    assert r.status == "mismatch" and "speculators_config" in r.detail
+
+
+def test_import_draft_round_trip(exported_all):
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.export import import_draft
+    from nemo_spec.export.formats import ExportError
+
+    m, d, ckpt = exported_all
+    fresh = load_model(ckpt).eval()
+    with torch.no_grad():
+        for p in fresh.draft_parameters():
+            p.mul_(-1.5)
+    assert import_draft(fresh, d) == "peagle"
+    a, b = m.eagle_module.state_dict(), fresh.eagle_module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k, v in a.items() if isinstance(v, torch.Tensor) and "_extra" not in k)
+    with pytest.raises(ExportError, match="mask_token_id=7 but the model's draft uses 9"):
+        import_draft(_model(seed=4, draft_vocab_size=48, aux_layers=[3, 0, 1], mask_token_id=9), d)
+    with pytest.raises(ExportError, match="captures vLLM layers \\[1, 2, 4\\]"):
+        import_draft(_model(seed=4, draft_vocab_size=48, aux_layers=[0, 1, 2]), d)
+    with pytest.raises(ExportError, match="differs from the base's table outside the mask row"):
+        import_draft(_model(seed=11, draft_vocab_size=48, aux_layers=[3, 0, 1]), d)  # another base
+
+
+def test_export_and_verify_scripts_on_a_p_eagle_checkpoint(exported_all, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from nemo_spec.export import detect_draft_format, import_draft
+    from nemo_spec.export.cli import main, verify_main
+    from tests.helpers import ROOT
+
+    m, _, ckpt = exported_all
+    out = tmp_path / "cli"
+    args = ["--checkpoint", str(ckpt), "--export_dir", str(out)]  # format auto, target all, bf16, verified
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "vllm       ok" in p.stderr and "sglang     unsupported" in p.stderr
+    assert detect_draft_format(out) == "peagle"
+    assert verify_main([str(out), "--checkpoint", str(ckpt)]) == 0
+    assert "vllm       ok" in capsys.readouterr().out
+    from nemo_spec.checkpoint import load_model
+
+    fresh = load_model(ckpt).eval()
+    assert import_draft(fresh, out) == "peagle"  # bf16 files: equal to the draft rounded to bf16
+    w = fresh.eagle_module.fc.weight
+    assert torch.equal(w, m.eagle_module.fc.weight.to(torch.bfloat16).float())
+    assert main(args[:-1] + [str(tmp_path / "sg"), "--target", "sglang"]) == 2
+    assert "no P-EAGLE / parallel drafting" in capsys.readouterr().err
+
+
+def test_tp2_import_and_export(exported_all, tmp_path):
+    """A TP=1 P-EAGLE export imports exactly at TP=2, and the checkpoint exported at TP=2 writes the same files."""
+    from nemo_spec.export import draft_state_dict, export_checkpoint
+    from nemo_spec.export.formats import load_tensors
+    from tests.helpers import ROOT, run_torchrun
+
+    m, d, ckpt = exported_all
+    torch.save({"ckpt": str(ckpt), "export": str(d), "draft": draft_state_dict(m)}, tmp_path / "blob.pt")
+    assert "PEAGLE_TP2_OK" in run_torchrun(ROOT / "tests" / "dist_scripts" / "peagle_export_tp2.py", [tmp_path],
+                                           timeout=300)
+    exp1 = export_checkpoint(ckpt, tmp_path / "tp1", dtype="fp32", include_base=False, target="vllm")
+    a, b = load_tensors(exp1 / "draft" / "model.safetensors"), load_tensors(tmp_path / "tp2" / "draft" /
+                                                                           "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

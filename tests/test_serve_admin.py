@@ -1,5 +1,6 @@
 """Server model management, auth and speculative serving: admin load/switch/unload of real checkpoints,
-Bearer keys, and EAGLE / prompt-lookup decoding at batch > 1 matching plain greedy decoding."""
+Bearer keys, and EAGLE / Medusa / P-EAGLE / DFlash / prompt-lookup decoding at batch > 1 matching plain greedy
+decoding."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -90,13 +91,17 @@ def test_admin_disabled_without_admin_key(model, tok):
     ("eagle", "eagle1", {"num_draft_tokens": 3}),
     ("eagle_tree", "eagle1", {}),
     ("medusa", "medusa", {}),
+    ("peagle", "peagle", {"num_draft_tokens": 3}),
+    ("dflash", "dflash", {}),
 ])
 def test_speculative_serving_batched_matches_greedy(model, tok, method, transform, options):
     from nemo_spec.speculative import SpeculativeTransform
 
     served = clone_model(model)
     if transform:
-        kw = {"num_eagle_layers": 1} if transform.startswith("eagle") else {"num_medusa_heads": 2}
+        kw = {"eagle1": {"num_eagle_layers": 1}, "medusa": {"num_medusa_heads": 2},
+              "peagle": {"num_eagle_layers": 1, "parallel_depth": 3},  # untrained: greedy output is still AR's
+              "dflash": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0]}}[transform]
         served = SpeculativeTransform(algorithm=transform, **kw)(served).eval()
     ref = clone_model(model)
     prompts = ["the cat sat on a mat and the cat sat on", "we read code , write tests , we read code ,",

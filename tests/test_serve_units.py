@@ -186,6 +186,22 @@ def test_serve_config_errors_name_the_field():
         ModelSpec(name="m", path="/x", method="eagle_tree", options={"top-k": 4}).validate()
 
 
+def test_serve_methods_are_the_engine_methods(tok):
+    """Every generation method is servable (the serve config keeps its own copy of the list: no heavy import)."""
+    from nemo_spec.inference.speculative import METHODS as ENGINE_METHODS
+    from nemo_spec.serve.config import METHODS
+    from nemo_spec.serve.models import build_served_model
+    from nemo_spec.speculative import SpeculativeTransform
+
+    assert METHODS == ENGINE_METHODS
+    for m in ("peagle", "dflash"):
+        assert ModelSpec(name="m", path="/x", method=m, options={"num_draft_tokens": 2}).validate().method == m
+    eagle = SpeculativeTransform(algorithm="eagle1", num_eagle_layers=1)(tiny_model(tok)).eval()
+    for m in ("peagle", "dflash"):  # a draft of another algorithm: refused at load, naming the method
+        with pytest.raises(ConfigError, match=m):
+            build_served_model(ModelSpec(name="m", method=m), model=eagle, tokenizer=tok)
+
+
 def test_max_context_beyond_model_is_rejected(tok):
     from nemo_spec.serve.models import build_served_model
 

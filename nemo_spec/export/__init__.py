@@ -12,7 +12,8 @@ An export directory holds::
     README.md          per engine: the exact launch command with these paths and the version it was checked against
     export_info.json   what was exported, from which checkpoint, in which dtype
 
-Formats are documented in :mod:`nemo_spec.export.eagle` and :mod:`nemo_spec.export.medusa`. Every export is
+Formats are documented in :mod:`nemo_spec.export.eagle`, :mod:`nemo_spec.export.medusa`,
+:mod:`nemo_spec.export.dflash` and :mod:`nemo_spec.export.peagle` (the speculators layout, vLLM only). Every export is
 written into a temp directory next to the target and renamed into place when complete, so a failed export
 leaves nothing behind. Under tensor parallelism every rank calls the export (tensors are gathered across the TP
 group) and rank 0 writes.
@@ -50,7 +51,7 @@ from nemo_spec.models.gpt import is_speculative, unwrap_speculative
 
 log = logging.getLogger(__name__)
 
-DRAFT_FORMATS = ("eagle3", "eagle1", "medusa", "dflash")
+DRAFT_FORMATS = ("eagle3", "eagle1", "medusa", "dflash", "peagle")
 FORMATS = ("auto", "base") + DRAFT_FORMATS
 EXPORT_INFO = "export_info.json"
 
@@ -189,10 +190,13 @@ def resolve_targets(target: str, fmt: str) -> List[str]:
     if target == "all":
         return claimed
     if target not in claimed:
-        from nemo_spec.export.engines import ENGINES
+        from nemo_spec.export.engines import ENGINES, not_served
 
         eng = ENGINES[target]
-        raise ExportError(f"{target} {eng.VERSION} cannot serve a {fmt} draft (its reader claims {list(eng.FORMATS)})")
+        why = not_served(target, fmt)
+        raise ExportError(f"{target} {eng.VERSION} cannot serve a {fmt} draft (its reader claims {list(eng.FORMATS)})"
+                          + (f": {why}" if why else "")
+                          + (f"; engines that serve it: {claimed}" if claimed else ""))
     return [target]
 
 
@@ -220,6 +224,11 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
 
                 tensors, conf = dflash_to_hf(neutral, cfg, spec)
                 launch = {"block_size": int(spec.block_size)}
+            elif fmt == "peagle":  # the speculators layout; vLLM is the only engine with parallel drafting
+                from nemo_spec.export.peagle import peagle_to_speculators
+
+                tensors, conf = peagle_to_speculators(neutral, cfg, spec, embedding)
+                launch = {"num_speculative_tokens": int(spec.parallel_depth)}
             else:
                 tensors, conf = medusa_fmt.medusa_to_reference(neutral, cfg, spec)
         except ExportError as e:
@@ -230,6 +239,13 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
             continue
         files[sub] = (tensors, conf)
         entries[eng] = {"dir": sub, "launch": launch}
+    if target == "all":  # engines that do not serve the format at all, with their reason (README, verify table)
+        from nemo_spec.export.engines import ENGINES, not_served
+
+        for eng in ENGINES:
+            why = not_served(eng, fmt)
+            if why and eng not in engines:
+                skipped[eng] = why
     if not files:
         raise ExportError(f"no engine can serve this {fmt} draft: {skipped}")
     if fmt == "medusa":  # the layout of older vLLM releases' Medusa; vLLM 0.33 has no Medusa (not verified)
@@ -295,8 +311,9 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     """Write the base (HF) and/or the draft of ``model`` to ``export_dir`` (all TP ranks call); returns the dir.
 
     ``fmt``: 'auto' (the model's draft algorithm, or 'base' for an untransformed model), 'base', 'eagle3',
-    'eagle1', 'medusa', 'dflash'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for that engine) or
-    'all' (``draft/<engine>/`` for every engine that can run the draft). ``base_name`` is recorded as
+    'eagle1', 'medusa', 'dflash', 'peagle'. ``target``: 'vllm', 'sglang', 'trtllm', 'reference' (one ``draft/`` for
+    that engine) or 'all' (``draft/<engine>/`` for every engine that can run the draft; engines that do not serve the
+    format are recorded in export_info.json ``skipped_engines`` with the reason). ``base_name`` is recorded as
     ``base_model_name_or_path`` in the draft config (default: the absolute path of ``export_dir/base`` when the base
     is exported, else ``source``). ``verify``: read the export back through every engine's conformance reader and
     raise ExportError on a mismatch (needs the base; TP=1).
@@ -317,12 +334,12 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ExportError(f"tokenizer_dir {tokenizer_dir} is not a directory")
     cfg: ModelConfig = spec_model.model_config if transformed else spec_model.nemo_spec_config
-    if fmt in ("eagle1", "eagle3"):
+    if fmt in ("eagle1", "eagle3", "peagle"):
         eagle_fmt.check_llama_family(cfg, fmt)
 
     # collective part: gather the draft (and, for EAGLE-1, the base embedding) on every rank
     neutral = draft_state_dict(spec_model) if fmt in DRAFT_FORMATS else {}
-    embedding = _base_embedding(spec_model) if fmt == "eagle1" else None
+    embedding = _base_embedding(spec_model) if fmt in ("eagle1", "peagle") else None  # P-EAGLE: embed_tokens
     base_ref = base_name or (str(out_dir / "base") if include_base else (source or ""))
     files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
     entries: Dict[str, Any] = {}
@@ -331,6 +348,8 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
         files, entries, skipped = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding, target)
         for _, conf in files.values():
             conf["base_model_name_or_path"] = base_ref
+            if fmt == "peagle":  # speculators' own record of the verifier (speculators/base.py:76-84)
+                conf["speculators_config"]["verifier"]["name_or_path"] = base_ref
             conf["nemo_spec"] = {"algorithm": fmt, "source_checkpoint": source,
                                  "base_dir": None if not include_base else ("../base" if target != "all"
                                                                             else "../../base"),
@@ -422,10 +441,16 @@ def _draft_dir(path: Path) -> Path:
 
 
 def detect_draft_format(path: PathLike) -> str:
-    """'eagle3', 'eagle1', 'dflash', 'medusa' or 'medusa_vllm' for an exported draft directory (or an export dir)."""
+    """'eagle3', 'eagle1', 'dflash', 'peagle', 'medusa' or 'medusa_vllm' for an exported draft directory (or an
+    export dir)."""
     d = _draft_dir(Path(path))
     conf = read_json(d / "config.json")
     arch = (conf.get("architectures") or [None])[0]
+    if conf.get("speculators_model_type") == "peagle":  # before eagle3: it also has draft_vocab_size
+        return "peagle"
+    if conf.get("speculators_model_type"):
+        raise ExportError(f"{d / 'config.json'}: speculators_model_type {conf['speculators_model_type']!r} is not "
+                          f"imported (only 'peagle')")
     if "medusa_num_heads" in conf or conf.get("model_type") == "medusa":
         if (d / "medusa_lm_head.safetensors").is_file() or (d / "medusa_lm_head.pt").is_file():
             return "medusa"
@@ -466,6 +491,8 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
         raise ExportError(f"{d} holds a {fmt} draft but the model's draft is {algorithm}")
     conf = read_json(d / "config.json")
     cfg: ModelConfig = spec.model_config
+    if fmt == "peagle":
+        conf = dict(conf.get("transformer_layer_config") or {}, **conf)
     if "hidden_size" in conf and int(conf["hidden_size"]) != cfg.hidden_size:
         raise ExportError(f"{d / 'config.json'}: hidden_size={conf['hidden_size']} but the model has {cfg.hidden_size}")
     tensors = _read_draft_tensors(d, fmt)
@@ -477,6 +504,10 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
         from nemo_spec.export.dflash import dflash_from_hf
 
         neutral = dflash_from_hf(tensors, conf, cfg, spec.spec_config)
+    elif fmt == "peagle":
+        from nemo_spec.export.peagle import peagle_from_speculators
+
+        neutral = peagle_from_speculators(tensors, conf, cfg, spec.spec_config, _base_embedding(spec))
     elif fmt == "medusa":
         neutral = medusa_fmt.medusa_from_reference(tensors, conf)
     else:

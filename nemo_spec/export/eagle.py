@@ -283,8 +283,10 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     first = prefixes[0]
     fc = tensors["fc.weight"]
     meta = conf.get("nemo_spec_aux") or {}
-    if meta.get("aux_layers") and fc.shape[1] != len(meta["aux_layers"]) * cfg.hidden_size:
-        fc = _fc_from_captured(fc, list(meta["aux_layers"]), cfg.hidden_size)
+    if meta.get("aux_layers"):  # written over the sorted distinct layers (_fc_for_captured): back to aux order
+        aux = list(meta["aux_layers"])
+        if fc.shape[1] == len(captured_layers(aux)) * cfg.hidden_size and captured_layers(aux) != aux:
+            fc = _fc_from_captured(fc, aux, cfg.hidden_size)
     out: Dict[str, torch.Tensor] = {"fc.weight": fc}
     if "fc.bias" in tensors:
         out["fc.bias"] = tensors["fc.bias"]

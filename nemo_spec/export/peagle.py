@@ -84,9 +84,63 @@ def peagle_to_speculators(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return tensors, conf
 
 
+def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any], cfg: ModelConfig,
+                            spec: SpeculativeConfig, base_embed: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`peagle_to_speculators` for the tensors: a speculators P-EAGLE directory's tensors (and its
+    config, ``transformer_layer_config`` merged in) -> neutral draft tensors for a model with draft config ``spec``.
+
+    The file must be this draft's: same mask token, same captured aux layers (vLLM numbering), and an
+    ``embed_tokens`` that is the base table except the mask row (our draft embeds every other token with the base's).
+    """
+    from nemo_spec.export.eagle import captured_layers, eagle3_from_reference
+    from nemo_spec.export.formats import ExportError
+
+    h = cfg.hidden_size
+    mask_id = spec.resolved_mask_token_id(cfg)
+    if int(conf.get("mask_token_id", -1)) != mask_id:
+        raise ExportError(f"P-EAGLE draft mask_token_id={conf.get('mask_token_id')} but the model's draft uses "
+                          f"{mask_id}")
+    aux = spec.resolved_aux_layers(cfg.num_layers)
+    uniq = captured_layers(aux)
+    want = [i + 1 for i in uniq]
+    got = list(conf.get("eagle_aux_hidden_state_layer_ids") or [])
+    if sorted(set(got)) != want or len(uniq) != 3:
+        raise ExportError(f"P-EAGLE draft captures vLLM layers {got}; the model's aux layers {aux} are vLLM layers "
+                          f"{want}")
+    for k in ("mask_hidden", "fc.weight"):
+        if k not in tensors:
+            raise ExportError(f"P-EAGLE draft lacks {k!r}")
+    mh = tensors["mask_hidden"]
+    if mh.numel() != 3 * h:
+        raise ExportError(f"mask_hidden has {mh.numel()} values, expected {3 * h}")
+    # the file's fc / mask_hidden are over the sorted captured layers; our draft's over ``aux`` (eagle3 helper)
+    layer_conf = dict(conf, nemo_spec_aux={"aux_layers": list(aux), "captured": list(uniq)})
+    rest = {k: v for k, v in tensors.items() if k not in ("mask_hidden", "embed_tokens.weight")}
+    out = eagle3_from_reference(rest, layer_conf, cfg)
+    blocks = mh.reshape(3, h)
+    out["mask_hidden"] = torch.cat([blocks[uniq.index(layer)] for layer in aux]).reshape(1, 1, 3 * h)
+    base = base_embed.detach().cpu()
+    emb = tensors.get("embed_tokens.weight")
+    if emb is None:  # vLLM then shares the target's table (llm_base_proposer.py:1418-1503): the mask row too
+        out["mask_embed"] = base[mask_id].clone()
+        return out
+    if tuple(emb.shape) != tuple(base.shape):
+        raise ExportError(f"embed_tokens.weight has shape {tuple(emb.shape)}, the base table {tuple(base.shape)}")
+    others = torch.ones(base.shape[0], dtype=torch.bool)
+    others[mask_id] = False
+    if not torch.equal(emb[others], base[others].to(emb.dtype)):
+        raise ExportError("embed_tokens.weight differs from the base's table outside the mask row: vLLM would embed "
+                          "every token with it, nemo_spec's P-EAGLE draft embeds them with the base's")
+    out["mask_embed"] = emb[mask_id].clone()
+    return out
+
+
 def export_peagle(model: torch.nn.Module, out_dir: Any, num_speculative_tokens: Optional[int] = None,
                   verifier: str = "../base") -> Path:
-    """Write ``model``'s P-EAGLE draft to ``out_dir`` (config.json + model.safetensors); every TP rank calls it."""
+    """Write ``model``'s P-EAGLE draft to ``out_dir`` (config.json + model.safetensors); every TP rank calls it.
+
+    Low level (the draft directory only, nothing verified); the normal path is ``export_model(model, dir)``
+    (base + ``draft/vllm/`` + README + export_info, read back by the vLLM reader)."""
     from safetensors.torch import save_file
 
     from nemo_spec import parallel

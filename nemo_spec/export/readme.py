@@ -28,6 +28,9 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
     what = {"eagle3": f"EAGLE-3 draft ({spec.get('num_eagle_layers')} layer(s), draft vocab "
                       f"{spec.get('draft_vocab_size') or model.get('vocab_size')})",
             "eagle1": f"EAGLE-1 draft ({spec.get('num_eagle_layers')} layer(s))",
+            "dflash": f"DFlash draft ({spec.get('num_eagle_layers')} layer(s), block size {spec.get('block_size')})",
+            "peagle": f"P-EAGLE draft, speculators format ({spec.get('num_eagle_layers')} layer(s), "
+                      f"{spec.get('parallel_depth')} tokens per parallel-drafting pass)",
             "medusa": f"Medusa heads ({spec.get('num_medusa_heads')} heads x {spec.get('num_medusa_layers')} "
                       f"residual block(s))"}.get(fmt, "")
     for eng, entry in engines.items():
@@ -42,6 +45,8 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
     k = spec.get("ttt_steps") or 3
     if fmt == "dflash":
         k = spec.get("block_size") or 16
+    if fmt == "peagle":
+        k = spec.get("parallel_depth") or 4
     if fmt == "medusa":
         k = spec.get("num_medusa_heads") or 3
     for eng, entry in engines.items():
@@ -56,7 +61,7 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
     if fmt == "base":
         lines += ["## vLLM", "", "```bash", f"vllm serve {base}", "```", "",
                   "## SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {base}", "```", ""]
-    if fmt in ("eagle3", "eagle1", "medusa", "dflash"):
+    if fmt in ("eagle3", "eagle1", "medusa", "dflash", "peagle"):
         lines += ["## Check it", "", "```bash",
                   f"python scripts/verify_export.py {root} --checkpoint {info.get('source_checkpoint') or '<ckpt>'}",
                   "```", "",

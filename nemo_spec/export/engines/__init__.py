@@ -1,6 +1,7 @@
 """Engine conformance readers: what each serving engine computes from an export, in plain torch.
 
-One module per engine (``vllm``, ``sglang``, ``trtllm``, ``reference``), each written from that engine's source at
+One module per engine (``vllm``, ``sglang``, ``trtllm``, ``reference``; format-specific readers in ``dflash`` and
+``vllm_peagle``), each written from that engine's source at
 a pinned version with file:line comments. A reader applies *its* engine's rules (names, shapes, config fields,
 aux-layer numbering, d2t/t2d, biases, architecture string) and returns the draft logits the engine would compute,
 or raises :class:`EngineMismatch` where the engine would fail or load the files silently wrong.
@@ -26,12 +27,17 @@ ENGINES = {m.NAME: m for m in (vllm, sglang, trtllm, reference)}
 TARGETS = tuple(ENGINES) + ("all",)
 
 __all__ = ["ENGINES", "TARGETS", "EngineMismatch", "Unsupported", "VerifyRow", "verify_export", "format_table",
-           "engines_for", "BaseRun", "base_forward"]
+           "engines_for", "not_served", "BaseRun", "base_forward"]
 
 
 def engines_for(fmt: str) -> List[str]:
     """Engines whose reader claims format ``fmt``."""
     return [n for n, m in ENGINES.items() if fmt in m.FORMATS]
+
+
+def not_served(engine: str, fmt: str) -> Optional[str]:
+    """Why ``engine`` does not serve ``fmt`` at its pinned version (cited), or None when nothing is recorded."""
+    return (getattr(ENGINES[engine], "NOT_SERVED", None) or {}).get(fmt)
 
 
 @dataclass
@@ -64,6 +70,11 @@ def _our_logits(model: torch.nn.Module, fmt: str, ids: torch.Tensor) -> Dict[str
         res = {"base": out.logits.float()}
         if fmt == "medusa":
             res["draft"] = model.medusa_logits(out.hidden).float()
+            return res
+        if fmt == "peagle":  # vLLM's first parallel-drafting pass (engines/vllm_peagle.py), K = the trained depth
+            from nemo_spec.export.engines.vllm_peagle import our_peagle_logits
+
+            res["draft"] = our_peagle_logits(model, ids, int(model.spec_config.parallel_depth))
             return res
         if fmt == "dflash":  # the readers' scenario: context = positions < s-1, block [ids[s-1], MASK...]
             from nemo_spec.speculative.dflash import DFlashContext

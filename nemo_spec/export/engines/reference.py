@@ -22,6 +22,10 @@ from nemo_spec.export.engines._llama import (
 NAME = "reference"
 VERSION = "EAGLE@cb7e0841fe0c, Medusa@e2a5d20c048a, dflash@44947fbf7111"
 FORMATS = ("eagle3", "eagle1", "medusa", "dflash")
+NOT_SERVED = {
+    "peagle": ("no reference reader for P-EAGLE: its reference implementation is vllm-project/speculators (a "
+               "training library, no generation loop); vLLM is what serves the speculators layout (vllm reader)"),
+}
 MEDUSA_HEADS_BUILT = 5  # medusa_model.py:143 ("medusa_num_heads = 5 # TODO")
 
 

@@ -19,6 +19,13 @@ from nemo_spec.export.engines._llama import (
 NAME = "sglang"
 VERSION = "0.5.23"
 FORMATS = ("eagle3", "eagle1", "dflash")
+# formats SGLang 0.5.23 does not serve, with the reason (export_model records it; verify_export reports it)
+NOT_SERVED = {
+    "peagle": ("no P-EAGLE / parallel drafting: its algorithms are DFLASH, UNO, DSPARK, EAGLE, "
+               "EAGLE3, FROZEN_KV_MTP, STANDALONE, NGRAM (srt/speculative/spec_info.py:32-47), nothing reads a "
+               "speculators config, and served as EAGLE3 its loader drops mask_hidden silently (models/"
+               "llama_eagle3.py:325-378) and drafts sequentially - not this draft"),
+}
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # models/llama_eagle3.py:387 (EntryClass; the class name is the arch)
 EAGLE1_ARCH = "LlamaForCausalLMEagle"  # models/llama_eagle.py:153; nothing maps LlamaForCausalLM to it

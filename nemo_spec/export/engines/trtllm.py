@@ -36,6 +36,10 @@ NAME = "trtllm"
 COMMIT = "b35ac1b64368513d215c57d2ed01d62d910df8da"
 VERSION = f"NVIDIA/TensorRT-LLM@{COMMIT[:12]} (modeling_speculative.py pinned; eagle3/modeling_auto/llm_args unpinned)"
 FORMATS = ("eagle3",)
+NOT_SERVED = {
+    "peagle": ("no P-EAGLE / parallel drafting: Eagle3DraftModel builds no "
+               "mask_hidden and drafts one token per forward ([S] L143-252); no reader is claimed"),
+}
 
 
 def capture_layers(launch: Mapping[str, Any], num_layers: int) -> list:

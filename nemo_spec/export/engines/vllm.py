@@ -1,5 +1,5 @@
-"""vLLM 0.33.0 conformance reader: what vLLM builds from an exported EAGLE-3 / EAGLE-1 / DFlash draft directory
-(DFlash: engines/dflash.py).
+"""vLLM 0.33.0 conformance reader: what vLLM builds from an exported EAGLE-3 / EAGLE-1 / DFlash / P-EAGLE draft
+directory (DFlash: engines/dflash.py; P-EAGLE, speculators format with parallel drafting: engines/vllm_peagle.py).
 
 Written from the released wheel ``vllm==0.33.0`` (``pip download --no-deps vllm==0.33.0``); line numbers below
 are of that wheel's files. vLLM 0.33 has no Medusa: ``"medusa"`` is not a ``SpeculativeMethod``
@@ -20,7 +20,7 @@ from nemo_spec.export.engines._llama import (
 
 NAME = "vllm"
 VERSION = "0.33.0"
-FORMATS = ("eagle3", "eagle1", "dflash")
+FORMATS = ("eagle3", "eagle1", "dflash", "peagle")
 
 # model_executor/models/registry.py:661,700-702 (architectures vLLM maps to its EAGLE drafts)
 _EAGLE3_ARCHS = {"Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"}
@@ -145,6 +145,10 @@ def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
         from nemo_spec.export.engines.dflash import dflash_logits
 
         return dflash_logits("vllm", draft_dir, base, ids, launch)
+    if fmt == "peagle":  # speculators config -> eagle3 + parallel_drafting (engines/vllm_peagle.py)
+        from nemo_spec.export.engines.vllm_peagle import peagle_logits, speculative_tokens
+
+        return peagle_logits(draft_dir, base, ids, speculative_tokens(draft_dir, launch))
     raise Unsupported(f"vllm {VERSION} has no {fmt} speculative method (config/speculative.py:71-82)")
 
 
@@ -154,6 +158,10 @@ def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3, **_: A
         from nemo_spec.export.engines.dflash import launch_command as dflash_launch
 
         return dflash_launch("vllm", base_dir, draft_dir, block_size=k)
+    if fmt == "peagle":
+        from nemo_spec.export.peagle import vllm_launch_command
+
+        return vllm_launch_command(base_dir, draft_dir, k=k)
     spec = json.dumps({"method": "eagle3" if fmt == "eagle3" else "eagle", "model": str(draft_dir),
                        "num_speculative_tokens": k})
     return f"vllm serve {base_dir} \\\n  --speculative-config '{spec}'"

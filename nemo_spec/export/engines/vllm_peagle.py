@@ -26,7 +26,7 @@ that wheel's files. What vLLM does with such a directory:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -68,6 +68,19 @@ def hf_config(conf: Mapping) -> dict:
     if conf.get("eagle_aux_hidden_state_layer_ids"):
         hf["eagle_aux_hidden_state_layer_ids"] = list(conf["eagle_aux_hidden_state_layer_ids"])
     return hf
+
+
+def speculative_tokens(draft_dir: Path, launch: Optional[Mapping[str, Any]] = None) -> int:
+    """K of the first parallel-drafting pass: the launch's ``num_speculative_tokens`` (the command the export's
+    README gives), else the config's ``proposal_methods[0].speculative_tokens`` (speculators/base.py:76-84)."""
+    k = (launch or {}).get("num_speculative_tokens")
+    if k is None:
+        conf = read_config(Path(draft_dir))
+        hf_config(conf)  # validates the speculators_config structure
+        k = conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    if int(k) < 1:
+        raise EngineMismatch(f"vllm: num_speculative_tokens={k} < 1")
+    return int(k)
 
 
 def peagle_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, k: int) -> torch.Tensor:
