@@ -170,10 +170,6 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
         return _read_own_config(p)
-    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
-        raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
-                              "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
-                              "checkpoints)")
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 
@@ -245,10 +241,6 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
         fmt = detect_format(p)
     except CheckpointError:
         return None
-    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
-        raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
-                              "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
-                              "checkpoints)")
     if fmt in ("megatron_legacy", "megatron_dist"):
         from nemo_spec.checkpoint import legacy
 

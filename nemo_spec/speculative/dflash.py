@@ -37,9 +37,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
