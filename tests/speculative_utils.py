@@ -20,11 +20,15 @@ def make_spec(cfg: ModelConfig, alg: str, seed: int = 0, perturb: bool = True):
     """A transformed tiny model; with ``perturb`` the draft weights are randomised (zero-init blocks made non-trivial)."""
     torch.manual_seed(seed)
     model = SpeculativeTransform(**ALG_KWARGS[alg])(build_gpt(cfg))
-    if perturb:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in model.draft_parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return perturb_draft(model, seed + 1) if perturb else model
+
+
+def perturb_draft(model, seed: int, scale: float = 0.05):
+    """Add seeded Gaussian noise (``scale``) to every draft parameter (zero-initialised blocks become non-trivial)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.draft_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 

@@ -8,6 +8,7 @@ from nemo_spec.models import build_gpt
 from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.speculative.dflash import DFlashContext, DFlashDraft, sample_anchors
 from tests.helpers import tiny_gpt2, tiny_llama
+from tests.speculative_utils import perturb_draft
 
 torch.set_num_threads(1)
 
@@ -18,12 +19,7 @@ def _model(seed=0, perturb=True, base_cfg=None, **kw):
     args = dict(algorithm="dflash", num_layers=2, block_size=4, target_layer_ids=[0, 2], mask_token_id=7)
     args.update(kw)
     m = SpeculativeTransform(**args)(base)
-    if perturb:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in m.draft_parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return m.eval()
+    return (perturb_draft(m, seed + 1) if perturb else m).eval()
 
 
 # ---- configuration --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, cod_sample, flatten_cod,
                                           peagle_attention_mask)
 from tests.helpers import tiny_llama
+from tests.speculative_utils import perturb_draft
 
 torch.set_num_threads(1)
 
@@ -18,12 +19,7 @@ def _model(seed=0, perturb=True, **kw):
     args = dict(algorithm="peagle", num_eagle_layers=2, parallel_depth=3, mask_token_id=7)
     args.update(kw)
     m = SpeculativeTransform(**args)(base)
-    if perturb:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in m.draft_parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return m.eval()
+    return (perturb_draft(m, seed + 1) if perturb else m).eval()
 
 
 # ---- configuration --------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from nemo_spec import parallel
-from nemo_spec._mcore import ensure_metadata, sharded_state_dict_default
+from nemo_spec._mcore import ensure_metadata
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
 from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
@@ -287,18 +287,9 @@ class DFlashDraft(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Distributed-checkpoint view: TP-sharded layers, replicated fc / norms."""
-        from nemo_spec.speculative.eagle import _tp_group
+        from nemo_spec.speculative.eagle import draft_sharded_state_dict
 
-        metadata = ensure_metadata(metadata)
-        out = {}
-        for name, module in self.named_children():
-            if name == "layers":
-                for i, layer in enumerate(self.layers):
-                    out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
-            else:
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
-                                                      tp_group=_tp_group()))
-        return out
+        return draft_sharded_state_dict(self, prefix, sharded_offsets, ensure_metadata(metadata))
 
 
 # ---- training ----------------------------------------------------------------------------------------------

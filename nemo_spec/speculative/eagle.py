@@ -319,14 +319,7 @@ class EagleDraft(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Distributed-checkpoint view: TP-sharded layers/head, replicated fc/norms/d2t."""
         metadata = ensure_metadata(metadata)
-        out = {}
-        for name, module in self.named_children():
-            if name == "layers":
-                for i, layer in enumerate(self.layers):
-                    out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
-            else:
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
-                                                      tp_group=_tp_group()))
+        out = draft_sharded_state_dict(self, prefix, sharded_offsets, metadata)
         if self.algorithm in EAGLE3_LIKE:
             out.update(_replicated_buffer(self.d2t, f"{prefix}d2t", metadata))
         return out
@@ -356,6 +349,21 @@ def _gather_rows(w: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(w) for _ in range(parallel.tp_size())]
     dist.all_gather(parts, w.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, 0)
+
+
+def draft_sharded_state_dict(draft: torch.nn.Module, prefix: str, sharded_offsets: tuple,
+                             metadata: dict) -> dict:
+    """A draft module's distributed-checkpoint view: its ``layers`` (a ModuleList of megatron layers) by their own
+    TP-aware ``sharded_state_dict``, every other child (fc, norms, heads) by megatron's default rules."""
+    out = {}
+    for name, module in draft.named_children():
+        if name == "layers":
+            for i, layer in enumerate(module):
+                out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
+        else:
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                  tp_group=_tp_group()))
+    return out
 
 
 def _tp_group():
