@@ -393,7 +393,13 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
         _wait(lambda: len(lines_of(0)) >= 5 and all(lines_of(i) for i in (1, 2, 3)), timeout=60)
         for t in threads[4:]:  # these wait in the queue behind the running batch
             t.start()
-        time.sleep(0.5)
+
+        def queued() -> float:  # the server's own gauge: requests 4-8 accepted and waiting (not still connecting)
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("nemo_spec_queue_depth{"))
+
+        _wait(lambda: queued() >= 5, timeout=60)
         assert not any(line.endswith("[DONE]") for line in lines_of(0))  # still running at SIGTERM
         proc.send_signal(signal.SIGTERM)
         for t in threads:
