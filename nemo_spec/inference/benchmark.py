@@ -138,14 +138,16 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               options: Optional[Dict[str, Any]] = None, hf: bool = True, work_dir: Optional[Path] = None,
               warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None,
               suffix_options: Optional[Dict[str, Any]] = None,
-              warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False) -> Dict[str, Any]:
+              warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
+              compile_mode: Optional[str] = None) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
     ``eagle_tree`` — the chain's length is ``num_draft_tokens``, not the tree's depth; ``suffix_options`` only
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
-    With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step).
+    With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
+    with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``.
     """
     if not prompts:
         raise SamplingError("benchmark needs at least one prompt")
@@ -172,6 +174,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True})))
+            if compile_mode:
+                jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
+                    _relabel, f"{m}+compiled", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    {**(opts or {}), "compile": compile_mode})))
             if m == "suffix" and warm_prompts:
                 gopts = warm_suffix_store(model, warm_prompts, max_new_tokens, {**(options or {}),
                                                                                 **(suffix_options or {})})
@@ -198,7 +204,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
-                            "adaptive": adaptive,
+                            "adaptive": adaptive, "compile": compile_mode,
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
 
@@ -277,10 +283,18 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
                          and x["batch_size"] == b), None)
         if hf_plain:
             summary[f"ar_vs_transformers_b{b}"] = r["tokens_per_s"] / hf_plain["tokens_per_s"]
-        spec = [x for x in rows if x["engine"] == "nemo_spec" and x["method"] != "ar" and x["batch_size"] == b]
+        spec = [x for x in rows if x["engine"] == "nemo_spec" and x["method"].split("+")[0] != "ar"
+                and x["batch_size"] == b]
         if spec:
             best = max(spec, key=lambda x: x["tokens_per_s"])
             summary[f"best_speculative_b{b}"] = {"method": best["method"], "speedup_vs_ar": best["speedup_vs_ar"]}
+    for r in rows:  # the compiled decode step next to the eager one (same method, batch and run)
+        if r["engine"] == "nemo_spec" and r["method"].endswith("+compiled"):
+            m = r["method"][: -len("+compiled")]
+            eager = next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == m
+                          and x["batch_size"] == r["batch_size"]), None)
+            if eager:
+                summary[f"{m}_compiled_vs_eager_b{r['batch_size']}"] = r["tokens_per_s"] / eager["tokens_per_s"]
     return {"config": config, "rows": rows, "summary": summary, "targets": check_targets(rows, summary)}
 
 
@@ -441,6 +455,10 @@ def build_parser():
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is reported)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run every speculative method with adaptive speculation (<method>+adaptive rows)")
+    p.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="also run every method with its decode step compiled (<method>+compiled rows; "
+                        "mode default: 'default', 'reduce-overhead' = CUDA graphs on a GPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -491,7 +509,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         ("min_token_prob", args.suffix_min_prob)] if v is not None}
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
-                       suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive)
+                       suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
+                       compile_mode=args.compile)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

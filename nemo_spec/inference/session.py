@@ -28,7 +28,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_spec.models import new_kv_cache
+from nemo_spec.models import compiled, new_kv_cache
 from nemo_spec.models.gpt import gather_vocab, gpt_forward, output_logits
 from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, tau_of,
@@ -96,6 +96,10 @@ class Session:
                 raise SamplingError(f"option {key!r} must be an int >= 1, got {v!r}")
         if not isinstance(options.get("adaptive", False), bool):
             raise SamplingError(f"option 'adaptive' must be true or false, got {options['adaptive']!r}")
+        try:
+            compile_mode = compiled.resolve_mode(options.get("compile", False))
+        except ValueError as err:
+            raise SamplingError(str(err)) from None
         self.model = model
         self.engine = get_engine(model)
         self.proposer = make_proposer(method, model, self.engine, draft_model, options)
@@ -118,6 +122,8 @@ class Session:
         for m in (model, draft_model):
             if m is not None:
                 m.eval()
+                compiled.compile_layers(m, compile_mode)  # the option governs: off makes the layers eager again
+        self.compile_mode = compile_mode
         self.kv = self.engine.cache("target", self.slots, self.slot_len,
                                     lambda bb, ll: new_kv_cache(self.model, bb, ll))
         self.proposer.setup(self)

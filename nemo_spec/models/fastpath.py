@@ -155,6 +155,12 @@ def layer_forward(layer: torch.nn.Module, h: torch.Tensor, ctx: Any) -> torch.Te
                             "attention: it cannot take an AttnContext (see nemo_spec.models.foreign)")
         out, _ = layer(hidden_states=h, attention_mask=ctx)
         return out
+    if "_nemo_compile" in layer.__dict__:  # opt-in torch.compile of the dense halves (models/compiled.py)
+        from nemo_spec.models import compiled
+
+        out = compiled.layer_forward(layer, h, ctx)
+        if out is not None:
+            return out
     h = h + self_attention(layer.self_attention, norm(layer.input_layernorm, h), ctx)
     return h + mlp(layer.mlp, norm(layer.pre_mlp_layernorm, h))
 
@@ -163,6 +169,12 @@ def mlp_block(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The MLP half of a layer with its residual (used by the EAGLE-3 first draft layer)."""
     if not _supported_mlp(layer.mlp):
         return layer._forward_mlp(h)
+    if "_nemo_compile" in layer.__dict__:
+        from nemo_spec.models import compiled
+
+        out = compiled.mlp_block(layer, h)
+        if out is not None:
+            return out
     return h + mlp(layer.mlp, norm(layer.pre_mlp_layernorm, h))
 
 
