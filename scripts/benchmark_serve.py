@@ -5,6 +5,8 @@ Against a running server:      python scripts/benchmark_serve.py --base-url http
 Serving a checkpoint in-process: python scripts/benchmark_serve.py --checkpoint /ckpt/model --max-batch 16 [--method eagle]
 Old batcher vs continuous batching under Poisson arrivals (in-process, same arrivals for both):
     python scripts/benchmark_serve.py --checkpoint /ckpt/model --poisson 2,4,8 --requests 32
+A 4-token request sent 0.4 s into a 250-token one (its time to first token in engine steps, per scheduler):
+    python scripts/benchmark_serve.py --checkpoint /ckpt/model --late 250 4
 """
 import argparse
 import json
@@ -34,10 +36,29 @@ def main(argv=None) -> int:
     p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="arrival rates (requests/s): compare the schedulers (batch vs continuous) under Poisson load")
     p.add_argument("--schedulers", default="batch,continuous")
+    p.add_argument("--late", type=int, nargs=2, metavar=("LONG", "SHORT"), default=None,
+                   help="time to first token of a SHORT-token request sent --late-delay s into a LONG-token one, per "
+                        "scheduler (in engine steps: the long request's median streaming gap)")
+    p.add_argument("--late-delay", type=float, default=0.4)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nemo_spec.serve.benchmark import format_table, results_dict, run_benchmark
 
+    if a.late:
+        if not a.checkpoint:
+            p.error("--late needs --checkpoint (each scheduler is served in-process)")
+        from dataclasses import asdict
+
+        from nemo_spec import parallel
+        from nemo_spec.serve.benchmark import format_late, late_request
+
+        parallel.initialize(1)
+        res = late_request(a.checkpoint, a.late[0], a.late[1], a.late_delay, a.method, a.options, a.max_batch,
+                           a.schedulers.split(","))
+        print(format_late(res))
+        if a.json:
+            Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))
+        return 0
     if a.poisson:
         if not a.checkpoint:
             p.error("--poisson needs --checkpoint (each scheduler is served in-process)")

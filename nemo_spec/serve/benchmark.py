@@ -260,3 +260,91 @@ def format_poisson(results: Sequence[PoissonResult]) -> str:
                         f"ttft p99 {b.ttft_p99_s / a.ttft_p99_s:.1f}x lower, ttft p50 "
                         f"{b.ttft_p50_s / a.ttft_p50_s:.1f}x lower")
     return "\n".join(rows)
+
+
+@dataclass
+class LateResult:
+    """A short request sent while a long one streams: its time to first token, in seconds and in engine steps."""
+
+    scheduler: str
+    long_tokens: int
+    short_tokens: int
+    delay_s: float
+    idle_ttft_s: float  # the short request alone on the idle server
+    late_ttft_s: float  # the short request sent ``delay_s`` into the long one
+    step_s: float  # median gap between the long request's streamed chunks (one engine step each)
+    late_ttft_steps: float
+    extra_wait_steps: float  # (late_ttft_s - idle_ttft_s) / step_s: how long it waited behind the long request
+    short_done_before_long_s: float  # how long before the long request's end the short one had finished
+
+
+async def _late(base_url: str, model: str, prompt: str, long_tokens: int, short_tokens: int, delay: float) -> tuple:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600)
+    _, idle_ttft, _ = await _timed(client, model, prompt, short_tokens)
+    t0 = time.perf_counter()
+
+    async def long_one() -> tuple:
+        out = await _timed(client, model, prompt, long_tokens)
+        return out, time.perf_counter() - t0
+
+    async def short_one() -> tuple:
+        await asyncio.sleep(delay)
+        out = await _timed(client, model, prompt, short_tokens)
+        return out, time.perf_counter() - t0
+
+    (lng, t_long), (sht, t_short) = await asyncio.gather(long_one(), short_one())
+    await client.close()
+    return idle_ttft, sht[1], _pct(lng[2], 0.5), t_long - t_short
+
+
+def _run_late(*args: Any) -> tuple:
+    return asyncio.run(_late(*args))
+
+
+def late_request(checkpoint: str, long_tokens: int = 250, short_tokens: int = 4, delay_s: float = 0.4,
+                 method: str = "ar", options: Optional[Dict[str, Any]] = None, max_batch: int = 16,
+                 schedulers: Sequence[str] = ("batch", "continuous"),
+                 prompt: str = DEFAULT_PROMPTS[0]) -> List[LateResult]:
+    """Per scheduler: a ``long_tokens`` request, and ``delay_s`` later a ``short_tokens`` one with free batch slots;
+    the short one's time to first token against the idle server's and against the engine step time (the long
+    request's median streaming gap). Served in-process; clients run in a spawned process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from nemo_spec.serve import ModelSpec, ServeConfig
+    from nemo_spec.serve.server import ServerThread
+
+    results: List[LateResult] = []
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for sched in schedulers:
+            spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
+                             max_batch=max_batch, scheduler=sched)
+            server = ServerThread(ServeConfig(models=[spec])).start()
+            try:
+                url = server.url + "/v1"
+                pool.submit(_run_poisson, url, "bench", [prompt], 50.0, 2, 8, 0).result()  # warm-up
+                idle, late, step, before = pool.submit(_run_late, url, "bench", prompt, long_tokens, short_tokens,
+                                                       delay_s).result()
+                per = (lambda t: t / step) if step > 0 else (lambda t: float("nan"))
+                results.append(LateResult(sched, long_tokens, short_tokens, delay_s, idle, late, step, per(late),
+                                          per(late - idle), before))
+                log.info("%s: late short request ttft %.3fs = %.1f steps (idle %.3fs)", sched, late,
+                         results[-1].late_ttft_steps, idle)
+            finally:
+                server.stop()
+    finally:
+        pool.shutdown()
+    return results
+
+
+def format_late(results: Sequence[LateResult]) -> str:
+    """Table of the late-request measurement, one row per scheduler."""
+    rows = ["scheduler   idle_ttft_s  late_ttft_s  step_s   late_ttft_steps  extra_wait_steps  "
+            "short_done_before_long_s"]
+    for r in results:
+        rows.append(f"{r.scheduler:<10} {r.idle_ttft_s:>12.3f} {r.late_ttft_s:>12.3f} {r.step_s:>7.4f} "
+                    f"{r.late_ttft_steps:>16.1f} {r.extra_wait_steps:>17.1f} {r.short_done_before_long_s:>25.2f}")
+    return "\n".join(rows)
