@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-token-prob", type=float, default=None, help="suffix: least draft node probability")
     p.add_argument("--global-cache", type=int, default=None,
                    help="suffix: outputs kept in the model's global suffix store (later batches draft from them)")
+    p.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="compile the decode step's dense layer work with torch.compile (mode; default 'default'; "
+                        "'reduce-overhead' = CUDA graphs on a GPU). Off by default: see the README's measurements")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size of a MoE model (run under torchrun; "
                    "TP x EP must divide the world size)")
@@ -86,7 +90,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     for key, val in [("num_draft_tokens", args.num_draft_tokens), ("depth", args.depth), ("top_k", args.tree_top_k),
                      ("total_tokens", args.total_tokens), ("score_temperature", args.score_temperature),
                      ("max_ngram", args.max_ngram), ("max_depth", args.max_depth), ("spec_factor", args.spec_factor),
-                     ("min_token_prob", args.min_token_prob), ("global_cache", args.global_cache)]:
+                     ("min_token_prob", args.min_token_prob), ("global_cache", args.global_cache),
+                     ("compile", args.compile)]:
         if val is not None:
             opts[key] = val
     if args.medusa_choices:
