@@ -114,6 +114,22 @@ def test_model_transform_applied_before_optimizer(tmp_path):
         assert torch.equal(p, base0[n]), f"base parameter {n} changed"
 
 
+def test_max_time_stops_training_before_max_steps(tmp_path):
+    """trainer.max_time_s (Lightning max_time): a same-wall-clock budget for comparing drafts; bad values named."""
+    with pytest.raises(ConfigError, match="trainer.max_time_s must be a number of seconds > 0"):
+        TrainerConfig(max_time_s=0).validate()
+    tok = tiny_tokenizer()
+    module = SpeculativeLightningModule(model_config=tiny_llama(vocab_size=128),
+                                        model_transform=SpeculativeTransform(algorithm="eagle3", ttt_steps=2),
+                                        optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=100000)
+    dm = SpecDataModule(DataConfig(path="mem", max_seq_len=32, val_fraction=0.0), tok, micro_batch_size=2,
+                        records=synthetic_chats(16))
+    trainer = build_trainer(TrainerConfig(max_steps=100000, max_time_s=2.0, train_bs=2, val_check_interval=0,
+                                          progress_bar=False), tmp_path, 1, [], loggers=False)
+    trainer.fit(module, datamodule=dm)
+    assert 0 < trainer.global_step < 100000
+
+
 # ---- each algorithm learns ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle1", "medusa", "peagle", "dflash"])
 def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):

@@ -56,6 +56,7 @@ class TrainerConfig:
     global_batch_size: Optional[int] = None  # None -> train_bs * data-parallel size (no accumulation)
     max_steps: int = 100
     max_epochs: int = -1
+    max_time_s: Optional[float] = None  # stop after this much training time (Lightning max_time); None: no limit
     val_check_interval: int = 50  # optimizer steps between validations (0 disables)
     limit_val_batches: int = 8
     log_every_n_steps: int = 1
@@ -78,6 +79,9 @@ class TrainerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"trainer.{name} must be a positive int, got {v!r}")
+        if self.max_time_s is not None and (isinstance(self.max_time_s, bool) or
+                                            not isinstance(self.max_time_s, (int, float)) or self.max_time_s <= 0):
+            raise ConfigError(f"trainer.max_time_s must be a number of seconds > 0 or null, got {self.max_time_s!r}")
         if self.max_steps < 1 and self.max_epochs < 1:
             raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive value")
         return self

@@ -1,6 +1,8 @@
 """The draft-training recipe: config -> data -> model (+ SpeculativeTransform) -> Lightning Trainer -> checkpoints."""
 from __future__ import annotations
 
+import datetime
+
 import json
 import logging
 import os
@@ -103,6 +105,7 @@ def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: L
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "gpu" else "cpu", devices=1, strategy=strategy, precision=t.precision,
         max_steps=t.max_steps, max_epochs=t.max_epochs, accumulate_grad_batches=accumulate,
+        max_time=None if t.max_time_s is None else datetime.timedelta(seconds=float(t.max_time_s)),
         gradient_clip_val=None, val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=t.limit_val_batches if val_every else 0, num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps, callbacks=cbs, logger=lg, enable_checkpointing=checkpoint_dir is not None
