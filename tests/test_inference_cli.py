@@ -98,6 +98,9 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
     # greedy everywhere: every configuration, ours and transformers', produces our AR tokens
     assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
     assert all(r["new_tokens"] == 18 and r["tokens_per_s"] > 0 for r in res["rows"])
+    ours = [r for r in res["rows"] if r["engine"] == "nemo_spec"]
+    assert all(r["verify_ms_per_step"] > 0 and r["draft_ms_per_step"] >= 0 for r in ours)  # per decode step, split
+    assert all(r.get("draft_ms_per_step") is None for r in res["rows"] if r["engine"] == "transformers")
     assert "ar_vs_transformers_b1" in res["summary"] and "best_speculative_b1" in res["summary"]
     (t,) = [t for t in res["targets"] if not t["name"].startswith("suffix")]  # no EAGLE model: only AR's applies
     assert t["value"] == res["summary"]["ar_vs_transformers_b1"] and t["met"] == (t["value"] >= 1.0)

@@ -66,11 +66,17 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
         taus: List[float] = []
         tf = df = 0
         chosen: Dict[int, int] = {}  # draft nodes per row -> steps (what adaptive speculation chose)
+        steps = 0
+        draft_ms = verify_ms = 0.0
         _sync(dev)
         t0 = time.perf_counter()
         for chunk in _chunks(prompts, batch_size):
             outs = generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts)
             sess = outs[0].stats.get("session", {})
+            k = sess.get("decode_steps", 0)
+            steps += k
+            draft_ms += k * sess.get("draft_ms_per_step", 0.0)
+            verify_ms += k * sess.get("verify_ms_per_step", 0.0)
             for lv, k in sess.get("levels", {}).items():
                 nodes = sess["draft_nodes_per_level"][lv]
                 chosen[nodes] = chosen.get(nodes, 0) + k
@@ -84,7 +90,9 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
     n = sum(len(t) for t in tokens)
     return {"engine": "nemo_spec", "method": method, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
             "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
-            "tokens": tokens, "options": opts, "draft_nodes_chosen": chosen}
+            "tokens": tokens, "options": opts, "draft_nodes_chosen": chosen,
+            "draft_ms_per_step": draft_ms / steps if steps else None,
+            "verify_ms_per_step": verify_ms / steps if steps else None}
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -347,14 +355,16 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
 
 def to_markdown(result: Dict[str, Any]) -> str:
     """Markdown table of the benchmark rows plus the summary ratios."""
-    lines = ["| engine | method | batch | tokens/s | tau | speedup vs our AR | matches our AR |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| engine | method | batch | tokens/s | tau | draft ms/step | verify ms/step | speedup vs our AR "
+             "| matches our AR |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") is not None else "-"
         ma = f"{100 * r['matches_ar']:.0f}%" if r.get("matches_ar") is not None else "-"
-        lines.append(f"| {r['engine']} | {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {tau} | {sp} "
-                     f"| {ma} |")
+        dm, vm = (f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("draft_ms_per_step", "verify_ms_per_step"))
+        lines.append(f"| {r['engine']} | {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {tau} | {dm} "
+                     f"| {vm} | {sp} | {ma} |")
     lines.append("")
     for k, v in result["summary"].items():
         if isinstance(v, dict):

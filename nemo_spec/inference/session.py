@@ -142,6 +142,7 @@ class Session:
             key = (self.proposer.name, tuple(self.proposer.levels), self.slots)
             self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
         self.level_hist: Dict[int, int] = {}
+        self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0}  # wall time of the decode steps, split
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -244,8 +245,13 @@ class Session:
 
     def stats(self) -> Dict[str, Any]:
         """Session-wide counters: steps, and how often each adaptive speculation level was chosen."""
+        k = max(self.decode_s["steps"], 1)
         out: Dict[str, Any] = {"steps": self.steps, "levels": dict(self.level_hist),
-                               "draft_nodes_per_level": list(self.proposer.levels)}
+                               "draft_nodes_per_level": list(self.proposer.levels),
+                               "decode_steps": self.decode_s["steps"],
+                               # per decode step: proposing (+ the proposer's post-acceptance update) vs verifying
+                               "draft_ms_per_step": 1e3 * self.decode_s["draft"] / k,
+                               "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k}
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe()
         return out
@@ -395,6 +401,9 @@ class Session:
         t3 = time.perf_counter()
         lv = len(self.proposer.levels) - 1 if level is None else level
         self.level_hist[lv] = self.level_hist.get(lv, 0) + 1
+        self.decode_s["draft"] += (t1 - t0) + (t3 - t2)
+        self.decode_s["verify"] += t2 - t1
+        self.decode_s["steps"] += 1
         if self.adaptive is not None:
             self.adaptive.observe(n, lv, tree, res, draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         for r, row in enumerate(rows):
