@@ -445,3 +445,20 @@ def test_ancestor_and_chain_masks_match_a_naive_walk():
         v = torch.arange(n)[None] < torch.randint(0, n + 1, (3, 1), generator=g)
         for got, want in zip(chain_mask(v), walk(chain_parents(3, n, torch.device("cpu")), v)):
             assert torch.equal(got, want)
+
+
+def test_benchmark_runs_drafts_of_other_models_side_by_side(llama):
+    """benchmark(extra_models=...): P-EAGLE and DFlash drafts on the same base, in the EAGLE-3 model's run, each
+    giving our AR tokens (greedy), with the draft and verify time of a decode step reported."""
+    from nemo_spec.inference import benchmark as bench
+
+    m, _ = llama
+    res = bench.benchmark(_spec(m, "eagle3"), PROMPTS, methods=["eagle"], batch_sizes=(1, 2), max_new_tokens=6,
+                          hf=False, repeats=1, options=OPTS,
+                          extra_models=[_spec(m, "peagle"), _spec(m, "dflash"), _spec(m, "eagle3")])
+    got = {(r["method"], r["batch_size"]): r for r in res["rows"]}
+    assert set(got) == {(k, b) for k in ("ar", "eagle", "peagle", "dflash", "eagle@3", "eagle_tree@3")
+                        for b in (1, 2)}
+    assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
+    assert all(r["draft_forwards"] > 0 and r["draft_ms_per_step"] > 0 for k, r in got.items() if k[0] != "ar")
+    assert "| nemo_spec | dflash | 1 |" in bench.to_markdown(res)

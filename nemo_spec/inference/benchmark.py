@@ -147,7 +147,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None,
               suffix_options: Optional[Dict[str, Any]] = None,
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
-              compile_mode: Optional[str] = None) -> Dict[str, Any]:
+              compile_mode: Optional[str] = None,
+              extra_models: Sequence[torch.nn.Module] = ()) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -156,6 +157,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``.
+    ``extra_models``: further speculative models on the same base (e.g. P-EAGLE and DFlash drafts next to an
+    EAGLE-3 one); their draft methods join the same round robin (a method the main model has, or an earlier extra, gets ``@<i>``).
     """
     if not prompts:
         raise SamplingError("benchmark needs at least one prompt")
@@ -191,6 +194,17 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                                                                                 **(suffix_options or {})})
                 jobs.append((f"nemo_spec suffix_global batch {b}", functools.partial(
                     _relabel, "suffix_global", run_ours, model, prompts, "suffix", b, max_new_tokens, None, gopts)))
+    taken = set(avail)
+    for i, extra in enumerate(extra_models, 1):
+        for m in available_methods(extra):
+            if m in ("ar", "prompt_lookup", "suffix"):  # model-free: the main model's rows already measure them
+                continue
+            label = m if m not in taken else f"{m}@{i}"
+            taken.add(label)
+            opts = {**(options or {}), **(tree_options or {})} if m == "eagle_tree" else options
+            for b in batch_sizes:
+                jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
+                    _relabel, label, run_ours, extra, prompts, m, b, max_new_tokens, None, opts)))
     with contextlib.ExitStack() as stack:
         if hf:
             jobs += _hf_jobs(stack, model, draft_model, prompts, batch_sizes, max_new_tokens, pad_id, options, work_dir)
@@ -296,6 +310,10 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
         if spec:
             best = max(spec, key=lambda x: x["tokens_per_s"])
             summary[f"best_speculative_b{b}"] = {"method": best["method"], "speedup_vs_ar": best["speedup_vs_ar"]}
+            hf_b = [x for x in rows if x["engine"] == "transformers" and x["batch_size"] == b]
+            if hf_b:  # our best method against transformers' best (plain, prompt lookup, assisted) at this batch
+                summary[f"best_vs_transformers_best_b{b}"] = (
+                    best["tokens_per_s"] / max(x["tokens_per_s"] for x in hf_b))
     for r in rows:  # the compiled decode step next to the eager one (same method, batch and run)
         if r["engine"] == "nemo_spec" and r["method"].endswith("+compiled"):
             m = r["method"][: -len("+compiled")]
@@ -443,6 +461,9 @@ def build_parser():
                                             "generate on the same weights.")
     p.add_argument("--model", required=True, help="checkpoint dir (base GPT, or an EAGLE/Medusa speculative model)")
     p.add_argument("--draft-model", default=None, help="smaller GPT checkpoint (draft_model + HF assistant_model)")
+    p.add_argument("--extra-models", nargs="+", default=[],
+                   help="further speculative checkpoints on the same base (e.g. P-EAGLE / DFlash next to EAGLE-3): "
+                        "their draft methods run in the same round robin")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint's)")
     p.add_argument("--prompt-file", default=None, help="one prompt per line / JSONL with 'prompt' "
                                                          "(default: held-out stdlib code prompts)")
@@ -508,6 +529,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    extras = [load_model(p, dtype=dtype) for p in args.extra_models]
     ctx = model_config(model).max_position_embeddings - args.max_new_tokens
     prompts = [p[-ctx:] for p in prompts]
     prompts, warm = prompts[: args.num_prompts], prompts[args.num_prompts:]
@@ -520,7 +542,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
-                       compile_mode=args.compile)
+                       compile_mode=args.compile, extra_models=extras)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")
