@@ -460,7 +460,7 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> List
 def _spm_flags(meta: Mapping[str, Any]) -> Tuple[bool, bool]:
     """(add_bos_token, add_eos_token) as transformers reads them from a ``llama``-model GGUF."""
     # transformers 5.24.0 gguf_tokenizer_mapping.py:92-94: a sentencepiece file without the flag adds BOS
-    # (llama.cpp's default); add_eos_token defaults to False (tokenization_utils_tokenizers.py:456).
+    # (llama.cpp's default); add_eos_token defaults to False (tokenization_utils_tokenizers.py:465).
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     return bool(True if add_bos is None else add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False))
 
