@@ -8,13 +8,15 @@ K-quants (which the gguf package can only dequantize) get random blocks with sma
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+               "' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
         "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, item):\n"
@@ -42,6 +44,49 @@ def train_bpe(vocab_size: int = 320) -> Tuple[List[str], List[str]]:
     if len(tokens) % 2:
         tokens.append("<|pad|>")
     return tokens, merges
+
+
+#: extra text the SentencePiece test vocabulary is trained on (accented letters become whole pieces)
+SPM_EXTRA = "héllo wörld naïve café — <s> and </s> [INST] hi [/INST]"
+#: control tokens of the SentencePiece test vocabulary beyond <s> / </s> (a Llama-2 chat style pair)
+SPM_CONTROLS = ("[INST]", "[/INST]")
+#: a USER_DEFINED token of the SentencePiece test vocabulary (matched whole, not special)
+SPM_USER = "<think>"
+
+
+def train_spm(vocab_size: int = 200) -> Tuple[List[str], List[float], List[int]]:
+    """(tokens, scores, token types) of a small Llama-style SentencePiece BPE vocabulary, laid out like llama.cpp
+    writes Llama-2's: ``<unk>`` (UNKNOWN), ``<s>`` / ``</s>`` (CONTROL), ``<0x00>``..``<0xFF>`` (BYTE), then
+    ``\u2581``-marked pieces by merge rank (score -rank), then the single characters; even count. Like Llama-2's, it has no
+    pieces holding newlines or tabs: those are encoded as byte tokens (``<0x0A>``)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.train_from_iterator([TEXT, SPM_EXTRA], trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    merged = ["".join(m.split(" ") if isinstance(m, str) else m) for m in model["merges"]]
+    alphabet = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if t not in set(merged)]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(SPM_CONTROLS) + [SPM_USER]
+    scores = [0.0] * len(tokens)
+    types = [2, 3, 3] + [6] * 256 + [3] * len(SPM_CONTROLS) + [4]  # llama.cpp llama_token_type
+    for rank, t in enumerate(merged + alphabet):
+        if t not in tokens and not any(c in t for c in "\n\r\t"):
+            tokens.append(t)
+            scores.append(-float(rank))
+            types.append(1)
+    if len(tokens) % 2:
+        tokens.append("<pad>")
+        scores.append(0.0)
+        types.append(3)
+    return tokens, scores, types
+
+
+def spm_vocab_size() -> int:
+    """Size of :func:`train_spm`'s vocabulary (a tiny model for a ``tokenizer="llama"`` GGUF needs it)."""
+    return len(train_spm()[0])
 
 
 def _k_quant_blocks(rows: int, cols: int, qname: str, rng: np.random.Generator) -> np.ndarray:
@@ -89,10 +134,13 @@ def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
 
 
 def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: Optional[Dict[str, str]] = None,
-               tokenizer: bool = True, pre: str = "default", seed: int = 0,
-               metadata_arch: Optional[str] = None) -> Dict[str, np.ndarray]:
+               tokenizer: Union[bool, str] = True, pre: str = "default", seed: int = 0,
+               metadata_arch: Optional[str] = None, add_space_prefix: Optional[bool] = None,
+               add_bos: Optional[bool] = True) -> Dict[str, np.ndarray]:
     """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);
-    returns the float32 source arrays by llama.cpp name."""
+    ``tokenizer``: True / "gpt2" (byte-level BPE of :func:`train_bpe`), "llama" (SentencePiece vocabulary of
+    :func:`train_spm`, no merges, as llama.cpp writes Llama-2's), or False; returns the float32 source arrays by
+    llama.cpp name."""
     import gguf
 
     cfg = model.config
@@ -110,7 +158,26 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    if tokenizer:
+    if tokenizer == "llama":
+        tokens, scores, types = train_spm()
+        assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        if "<pad>" in tokens:
+            w.add_pad_token_id(tokens.index("<pad>"))
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+        w.add_add_eos_token(False)
+        if add_space_prefix is not None:
+            w.add_add_space_prefix(add_space_prefix)
+        w.add_chat_template(LLAMA2_CHAT)
+    elif tokenizer:
         tokens, merges = train_bpe()
         assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
         w.add_tokenizer_model("gpt2")

@@ -1,6 +1,6 @@
 """GGUF import: logits equal transformers' (the original HF model, and transformers' own GGUF loading of the same
 file) for F32 and every supported quantized type, Llama (permuted Q/K) and Qwen2; tokenizer + chat template from
-the metadata; load_model / convert_hf.py dispatch; TP=2; clear errors. SmolLM2 (the real file) in an opt-in test."""
+the metadata (byte-level BPE and SentencePiece, equal to transformers' GGUF tokenizer); load_model / convert_hf.py dispatch; TP=2; clear errors. SmolLM2 (the real file) in an opt-in test."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +13,9 @@ import torch
 from nemo_spec.checkpoint import detect_format, find_tokenizer_dir, load_model, read_checkpoint_config
 from nemo_spec.checkpoint import gguf as G
 from nemo_spec.models import gpt_forward
-from tests.gguf_utils import CHATML, TEXT, tiny_hf_model, train_bpe, write_gguf
-from tests.helpers import ROOT, run_torchrun
+from tests.gguf_utils import (CHATML, LLAMA2_CHAT, SPM_USER, TEXT, spm_vocab_size, tiny_hf_model, train_bpe,
+                               write_gguf)
+from tests.helpers import ROOT, run_torchrun, script_env
 
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -138,8 +139,147 @@ def test_smollm_pre_tokenizer_splits_digits():
     smol = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "smollm"})
     assert any(len(t.strip("Ġ")) > 1 and t.strip("Ġ").isdigit() for t in plain.encode("print(12345)").tokens)
     assert all(len(t) == 1 for t in smol.encode("12345").tokens)
-    with pytest.raises(G.GGUFError, match="tokenizer.ggml.model='llama' is not supported"):
-        G.build_tokenizer({**meta, "tokenizer.ggml.model": "llama"})
+    for kind in ("bert", "t5", "rwkv", None):
+        with pytest.raises(G.GGUFError, match=rf"tokenizer.ggml.model={kind!r} is not supported .*'llama'"):
+            G.build_tokenizer({**meta, "tokenizer.ggml.model": kind})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SentencePiece (tokenizer.ggml.model == "llama": Llama-2, Mistral, TinyLlama)
+# --------------------------------------------------------------------------------------------------------------
+
+#: ASCII, leading/inner/trailing spaces, newlines and tabs (byte fallback), accents in the vocabulary and not,
+#: emoji (4-byte fallback), CJK, the empty string, special / user-defined tokens written in the text
+SPM_TEXTS = ("def fibonacci(n):\n    return n", "hello world", " leading space", "  two leading", "trailing  ",
+             "a\n\nb\tc\r\n", "héllo wörld naïve café", "ñandú ÿ Ω", "emoji 😀🚀 done", "中文字符", "",
+             " ", "\n", "<s>hi</s>", "[INST] hello [/INST] ok</s>", "x <think>y</think>", "<unk> <pad>",
+             "<0x41> is text", TEXT[:300])
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    """(HF llama model, F32 GGUF with a SentencePiece vocabulary)."""
+    d = tmp_path_factory.mktemp("gguf_spm")
+    m = tiny_hf_model("llama", vocab_size=spm_vocab_size())
+    write_gguf(d / "spm.gguf", m, tokenizer="llama")
+    return m, d / "spm.gguf"
+
+
+def _hf_tok(path: Path):
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _backend_json(tok) -> dict:
+    import json
+
+    return json.loads(tok.to_str())
+
+
+def _check_spm_against_transformers(path: Path, out: Path) -> None:
+    from nemo_spec.data.chat import load_tokenizer
+
+    hf_tok = _hf_tok(path)
+    raw = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path)), str(path))
+    assert _backend_json(raw) == _backend_json(hf_tok.backend_tokenizer)  # model, merges, added tokens, pipeline
+    tok = load_tokenizer(G.write_tokenizer_dir(path, out))
+    for text in SPM_TEXTS:
+        ids = tok(text)["input_ids"]
+        assert ids == hf_tok(text)["input_ids"], text
+        assert ids == raw.encode(text).ids, text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip), text
+    pair = tok("first", "second")["input_ids"]
+    assert pair == hf_tok("first", "second")["input_ids"]
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(tok, name) == getattr(hf_tok, name), name
+    import json
+
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"]) == (hf_tok.add_bos_token, hf_tok.add_eos_token)
+    assert {int(i) for i in config["added_tokens_decoder"]} == set(hf_tok.added_tokens_decoder)
+
+
+def test_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(spm, tmp_path):
+    _, path = spm
+    _check_spm_against_transformers(path, tmp_path / "tok")
+    from nemo_spec.data.chat import load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "tok")
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<s>", "</s>", "<unk>", "<pad>")
+    enc = tok("a\nb 😀")
+    pieces = tok.convert_ids_to_tokens(enc["input_ids"])
+    assert pieces[0] == "<s>" and "<0x0A>" in pieces and "<0xF0>" in pieces  # BOS, newline and emoji as bytes
+    assert pieces[1].startswith("\u2581")  # the dummy prefix: first word marked with U+2581
+    for text in ("def fibonacci(n):\n    return n", "héllo wörld naïve café", "emoji 😀🚀 done", "a  b\t\n"):
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text  # lossless round trip
+    # text that starts with spaces gets no extra U+2581 and the decoder strips one: transformers 5.x loses a space
+    assert tok.decode(tok("  two")["input_ids"], skip_special_tokens=True) == " two"
+    assert tok("[INST] hi [/INST]")["input_ids"][1] == G.build_tokenizer(
+        G._tokenizer_metadata(G.open_gguf(path))).token_to_id("[INST]")  # a control token stays whole
+    assert SPM_USER in tok.convert_ids_to_tokens(tok("x <think>y")["input_ids"])  # user-defined, whole
+    assert tok.chat_template == LLAMA2_CHAT
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                                   tokenize=False)
+    assert chat == "<s>[INST] hi [/INST] ok</s>"
+    assert tok(chat, add_special_tokens=False)["input_ids"] == _hf_tok(path)(chat, add_special_tokens=False)[
+        "input_ids"]
+
+
+@pytest.mark.parametrize("flags", [dict(add_bos=False), dict(add_bos=None, add_space_prefix=False)])
+def test_sentencepiece_flags_follow_transformers(spm, tmp_path, flags):
+    """add_bos_token false; no add_bos flag at all (BOS is added, llama.cpp's default) and add_space_prefix false
+    (transformers 5.x still prefixes the first word)."""
+    m, _ = spm
+    path = tmp_path / "flags.gguf"
+    write_gguf(path, m, tokenizer="llama", **flags)
+    _check_spm_against_transformers(path, tmp_path / "tok")
+    ids = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path))).encode("hi").ids
+    assert (ids[0] == 1) == (flags["add_bos"] is None)
+
+
+def test_sentencepiece_merges_given_in_the_file_are_used(spm):
+    _, path = spm
+    meta = G._tokenizer_metadata(G.open_gguf(path))
+    derived = G.sentencepiece_merges(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"])
+    assert derived and all(a + b in meta["tokenizer.ggml.tokens"] for a, b in derived)
+    same = G.build_tokenizer({**meta, "tokenizer.ggml.merges": [f"{a} {b}" for a, b in derived]})
+    assert _backend_json(same) == _backend_json(G.build_tokenizer(meta))
+    none = G.build_tokenizer({**meta, "tokenizer.ggml.merges": [f"{a} {b}" for a, b in derived[:1]]})
+    assert len(none.encode("hello world").ids) > len(G.build_tokenizer(meta).encode("hello world").ids)
+    with pytest.raises(G.GGUFError, match="needs tokenizer.ggml.scores"):
+        G.build_tokenizer({k: v for k, v in meta.items() if k != "tokenizer.ggml.scores"})
+    with pytest.raises(G.GGUFError, match="architecture 'gemma' is built differently"):
+        G.build_tokenizer({**meta, "general.architecture": "gemma"})
+
+
+def test_sentencepiece_gguf_loads_and_converts_end_to_end(spm, tmp_path, monkeypatch):
+    """load_model + find_tokenizer_dir on the file, and `convert_hf.py import` (a real CLI run) saving the
+    checkpoint with the rebuilt SentencePiece tokenizer."""
+    import subprocess
+    import sys
+
+    from nemo_spec.data.chat import load_tokenizer
+
+    m, path = spm
+    monkeypatch.setenv("NEMO_SPEC_CACHE", str(tmp_path / "cache"))
+    hf_tok = _hf_tok(path)
+    d = find_tokenizer_dir(path)
+    assert d is not None and str(tmp_path / "cache") in str(d)
+    x = torch.tensor([load_tokenizer(d)("def fibonacci(n):\n    return n")["input_ids"]])
+    assert x.tolist() == [hf_tok("def fibonacci(n):\n    return n")["input_ids"]]
+    ours = _ours(load_model(path), x)
+    assert (ours - _hf(_hf_gguf(path), x)).abs().max().item() < 1e-4
+    ckpt = tmp_path / "ckpt"
+    env = {**script_env(), "NEMO_SPEC_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", str(path), str(ckpt)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert find_tokenizer_dir(ckpt) == ckpt / "tokenizer"
+    tok = load_tokenizer(ckpt / "tokenizer")
+    for text in SPM_TEXTS:
+        assert tok(text)["input_ids"] == hf_tok(text)["input_ids"], text
+    assert tok.chat_template == LLAMA2_CHAT
+    assert torch.equal(_ours(load_model(ckpt), x), ours)
 
 
 def test_convert_script_imports_at_tp2_and_exports(llama, tmp_path, monkeypatch):

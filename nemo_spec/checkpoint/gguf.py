@@ -11,8 +11,10 @@ each in its own storage type. Import:
 - for ``llama`` files, llama.cpp's converter permuted the rows of ``attn_q`` / ``attn_k`` from the rotate-half
   RoPE layout to its interleaved one (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); that is undone here.
   Qwen2 files use llama.cpp's NEOX RoPE and are stored unpermuted;
-- the ``gpt2``-model (byte-level BPE) tokenizer is rebuilt with ``tokenizers`` and written as a Hugging Face
-  tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with the file's chat template).
+- the ``gpt2``-model (byte-level BPE) and ``llama``-model (SentencePiece BPE with byte fallback: Llama-2,
+  Mistral, TinyLlama) tokenizers are rebuilt with ``tokenizers`` as transformers builds them from the same file,
+  and written as a Hugging Face tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with the
+  file's chat template and add_bos/add_eos flags).
 
 Tensor parallelism: :func:`load_gguf` builds the model for the current parallel state and loads this rank's
 shard, like :func:`nemo_spec.checkpoint.hf.load_hf`.
@@ -372,14 +374,29 @@ def _tokenizer_metadata(reader: Any) -> Dict[str, Any]:
             or k.endswith(".context_length")}
 
 
-def build_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
-    """A ``tokenizers.Tokenizer`` for a GGUF ``gpt2``-model (byte-level BPE) vocabulary from its metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+#: ``tokenizer.ggml.model`` values :func:`build_tokenizer` rebuilds
+SUPPORTED_TOKENIZERS: Tuple[str, ...] = ("gpt2", "llama")
+#: architectures whose ``llama`` (SentencePiece) vocabulary transformers builds differently (Gemma's respelled
+#: spaces and file-order merges, Phi-3's normalizer: transformers 5.24.0 gguf_tokenizer_mapping.py:294-299)
+_SPM_OTHER_BUILDERS = ("gemma", "gemma2", "gemma3", "phi3")
 
+
+def build_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
+    """A ``tokenizers.Tokenizer`` for a GGUF vocabulary from its metadata: ``gpt2`` (byte-level BPE) or ``llama``
+    (SentencePiece BPE with byte fallback)."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return build_sentencepiece_tokenizer(meta, source)
     if kind != "gpt2":
         raise GGUFError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level "
-                        f"BPE); pass a Hugging Face tokenizer directory with --tokenizer instead")
+                        f"BPE; 'llama', SentencePiece BPE); pass a Hugging Face tokenizer directory with "
+                        f"--tokenizer instead")
+    return _build_gpt2_tokenizer(meta, source)
+
+
+def _build_gpt2_tokenizer(meta: Mapping[str, Any], source: str) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
     tokens: List[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     merges_raw: List[str] = list(meta.get("tokenizer.ggml.merges") or [])
     if not tokens:
@@ -422,6 +439,109 @@ def build_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
     return tok
 
 
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> List[Tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a piece into two pieces, best score first."""
+    # transformers 5.24.0 tokenization_utils_base.py:3780-3801 generate_merges(vocab, vocab_scores), as called by
+    # integrations/gguf/gguf_tokenizer_mapping.py:180-189 get_merges when the file has no tokenizer.ggml.merges.
+    # (4.57.6 integrations/ggml.py:351-367 GGUFTokenizerSkeleton sorts the splits of one piece by their scores,
+    # descending, and the merges by score only; the orders differ only among equal-score ties.)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    by_score = dict(zip(tokens, scores))  # later duplicates win, as dict(zip(...)) does there
+    merges: List[Tuple[str, str, float]] = []
+    for piece, score in by_score.items():
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _spm_flags(meta: Mapping[str, Any]) -> Tuple[bool, bool]:
+    """(add_bos_token, add_eos_token) as transformers reads them from a ``llama``-model GGUF."""
+    # transformers 5.24.0 gguf_tokenizer_mapping.py:92-94: a sentencepiece file without the flag adds BOS
+    # (llama.cpp's default); add_eos_token defaults to False (tokenization_utils_tokenizers.py:465).
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    return bool(True if add_bos is None else add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False))
+
+
+def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
+    """A ``tokenizers.Tokenizer`` for a GGUF ``llama``-model (SentencePiece BPE) vocabulary: the one transformers
+    builds from the same file (Llama-2, Mistral, TinyLlama ...)."""
+    # transformers 5.24.0 integrations/gguf/gguf_tokenizer_mapping.py:114-117 sentencepiece_tokenizer hands the
+    # file's tokens (ids = positions) and merges (the file's, else derived from the scores) to LlamaTokenizer,
+    # models/llama/tokenization_llama.py:105-133, which builds: BPE(fuse_unk=True, byte_fallback=True, no
+    # unk_token) -- pieces missing from the vocabulary fall back to the <0xNN> byte tokens; no normalizer;
+    # Metaspace("\u2581", prepend_scheme="first", split=False) (add_prefix_space is always True there:
+    # tokenizer.ggml.add_space_prefix is read into the dict, :60, but not passed on; legacy=False -> "first",
+    # tokenization_utils_base.py:3770-3777); decoder Replace("\u2581", " "), ByteFallback, Fuse, Strip(left=1).
+    # Then :192-220 add_gguf_special_tokens adds CONTROL (3) tokens as special and USER_DEFINED (4) ones as plain
+    # added tokens; the bos/eos/unk/pad tokens (:100-102) become special tokens of the TokenizersBackend; its
+    # post-processor is update_post_processor's (tokenization_utils_tokenizers.py:636-660).
+    # transformers 4.57.6 (integrations/ggml.py:384-502 GGUFLlamaConverter + convert_slow_tokenizer.py:1331-1374
+    # LlamaConverter, legacy) differs: normalizer Prepend("\u2581") (dropped when add_space_prefix is False) +
+    # Replace(" ", "\u2581") and no pre-tokenizer, so text after a special token and text with leading spaces
+    # get one more "\u2581" ("  hi" -> "\u2581\u2581\u2581hi", here "\u2581\u2581hi"); BPE unk_token=<unk>; its
+    # eos_token is the BOS token (ggml.py:404,443-444 swap); the merges' tie order (see sentencepiece_merges).
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    arch = meta.get("general.architecture")
+    if arch in _SPM_OTHER_BUILDERS:
+        raise GGUFError(f"{source}: a 'llama' (SentencePiece) tokenizer of architecture {arch!r} is built "
+                        f"differently by transformers and is not supported; pass --tokenizer instead")
+    tokens: List[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise GGUFError(f"{source}: metadata 'tokenizer.ggml.tokens' is missing or empty")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError(f"{source}: tokenizer.ggml.tokens holds duplicate tokens")
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]  # get_merges, :182-183
+        bad = next((m for m in merges if len(m) != 2), None)
+        if bad is not None:
+            raise GGUFError(f"{source}: tokenizer.ggml.merges entry {' '.join(bad)!r} is not two space-separated "
+                            f"tokens")
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise GGUFError(f"{source}: a 'llama' tokenizer without tokenizer.ggml.merges needs tokenizer.ggml.scores "
+                            f"with one score per token ({len(tokens)}), got "
+                            f"{'none' if scores is None else len(scores)}")
+        merges = sentencepiece_merges(tokens, [float(x) for x in scores])
+    if meta.get("tokenizer.ggml.add_space_prefix") is False:
+        log.warning("%s: tokenizer.ggml.add_space_prefix is false; like transformers, the rebuilt tokenizer still "
+                    "prefixes the first word with '\u2581' (llama.cpp would not)", source)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1)])
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+
+    def token(key: str) -> Optional[str]:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    named = [token(k) for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")]
+    special_ids = sorted({i for i, ty in enumerate(types) if ty == TOKEN_CONTROL}
+                         | {vocab[t] for t in named if t is not None})
+    if special_ids:
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_ids])
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
+    if user:
+        tok.add_tokens(user)
+    add_bos, add_eos = _spm_flags(meta)
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
+    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+    specials = ([(bos, vocab[bos])] if add_bos else []) + ([(eos, vocab[eos])] if add_eos else [])
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    if tok.get_vocab_size() != len(tokens):
+        raise GGUFError(f"{source}: rebuilt tokenizer has {tok.get_vocab_size()} tokens, the file lists {len(tokens)}")
+    return tok
+
+
 def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
     """Write a GGUF file's tokenizer + chat template as a Hugging Face tokenizer directory (atomically)."""
     src = check_gguf_file(path)
@@ -436,15 +556,20 @@ def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
 
     specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                 "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-    types = list(meta.get("tokenizer.ggml.token_type") or [])
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                      "special": ty == TOKEN_CONTROL}
-             for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    # the added tokens of tokenizer.json, by id (for sentencepiece files the named specials are among them)
+    added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+             for t in json.loads(tok.to_str())["added_tokens"]}
     arch = meta.get("general.architecture")
+    if meta.get("tokenizer.ggml.model") == "llama":
+        add_bos, add_eos = _spm_flags(meta)
+    else:
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     config: Dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        # what transformers 4.x reads; 5.x drops these next to a tokenizer.json, whose post-processor adds BOS/EOS
+        # (tokenization_utils_base.py:1818-1820)
+        "add_bos_token": add_bos, "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False, "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
         **specials,
     }
