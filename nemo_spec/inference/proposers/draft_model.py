@@ -14,6 +14,7 @@ from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import pad_chains
 
+
 class DraftModelProposer(BaseProposer):
     """Speculative sampling with a smaller GPT: gamma drafted tokens per step, verified by one target forward."""
 

@@ -15,6 +15,7 @@ from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import block_context, pad_chains, select_tree
 
+
 class EagleProposer(SpecModelProposer):
     """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
 

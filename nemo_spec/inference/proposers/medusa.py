@@ -13,6 +13,7 @@ from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import DEFAULT_MEDUSA_CHOICES, medusa_tree, validate_medusa_choices
 
+
 class MedusaProposer(SpecModelProposer):
     """Medusa heads on the last accepted base hidden state, expanded into a static candidate tree."""
 

@@ -9,6 +9,7 @@ from nemo_spec.inference.proposers.common import level_index, opt_int
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.trees import pad_chains
 
+
 class PromptLookupProposer(BaseProposer):
     """n-gram prompt lookup: copy the continuation of the latest earlier match of the last n tokens."""
 
