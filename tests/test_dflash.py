@@ -227,7 +227,7 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
     real session -- rows joining (max_batch 3 of 8), chunked prefill, slots swapped, greedy and sampled rows -- is
     compared with the draft run without its cache over the row's whole sequence; the draft cache holds exactly the
     committed context."""
-    import nemo_spec.inference.dflash as D
+    import nemo_spec.inference.proposers.dflash as D
     from nemo_spec.inference import SamplingParams, generate
 
     m = _model(seed=3)
@@ -270,7 +270,7 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
 def test_validation_tau_drafts_the_whole_trained_block(monkeypatch):
     """The recipe's tau (trainer.acceptance_depth is a chain length for EAGLE) lets a DFlash draft propose all of
     its B - 1 trained mask slots: tau <= B, not <= acceptance_depth + 1."""
-    import nemo_spec.inference.dflash as D
+    import nemo_spec.inference.proposers.dflash as D
     from nemo_spec.training.callbacks import measure_tau
 
     depths = []

@@ -324,7 +324,7 @@ def test_tree_score_temperature_shapes_the_tree(llama, trained):
 
 
 def test_prompt_lookup_prefers_a_full_continuation():
-    from nemo_spec.inference.speculative import PromptLookupProposer
+    from nemo_spec.inference.proposers import PromptLookupProposer
 
     pl = PromptLookupProposer({"num_draft_tokens": 4, "max_ngram": 2})
     # latest match of [1, 2] (at 3) has only 3 tokens after it; the earlier one (at 0) has all 4

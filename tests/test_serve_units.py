@@ -188,7 +188,7 @@ def test_serve_config_errors_name_the_field():
 
 def test_serve_methods_are_the_engine_methods(tok):
     """Every generation method is servable (the serve config keeps its own copy of the list: no heavy import)."""
-    from nemo_spec.inference.speculative import METHODS as ENGINE_METHODS
+    from nemo_spec.inference.proposers import METHODS as ENGINE_METHODS
     from nemo_spec.serve.config import METHODS
     from nemo_spec.serve.models import build_served_model
     from nemo_spec.speculative import SpeculativeTransform

@@ -57,6 +57,84 @@ def test_draft_inherits_architecture():
     assert e1.eagle_module.fc.bias is not None and m.eagle_module.fc.bias is None
 
 
+def test_eagle3_first_layer_built_from_its_spec():
+    """The EAGLE-3 first layer is whatever its ModuleSpec builds (2h-input qkv and hidden_norm at construction,
+    nothing replaced afterwards): a layer built from the spec alone takes the draft's layer-0 state dict as is and
+    computes what the draft's first layer does (module and fast path), which is the EAGLE-3 midlayer formula."""
+    import inspect
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    from nemo_spec.models import fastpath
+    from nemo_spec.speculative import eagle
+    from tests.export_utils import _attention, _mlp, _rms
+
+    m = make_spec(_cfg(), "eagle3", seed=3)
+    draft = m.eagle_module
+    spec = eagle.eagle3_first_layer_spec()
+    assert spec.module is eagle.Eagle3FirstLayer and spec.submodules.hidden_norm is not IdentityOp
+    layer = build_module(spec, config=draft.config, layer_number=1)
+    h = draft.hidden_size
+    assert layer.self_attention.linear_qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 2 * h)
+    assert type(draft.layers[0]) is eagle.Eagle3FirstLayer
+    ours = {k[len("layers.0."):]: v for k, v in draft.state_dict().items() if k.startswith("layers.0.")}
+    assert list(layer.state_dict()) == list(ours)
+    layer.load_state_dict(ours, strict=True)
+
+    g = torch.Generator().manual_seed(0)
+    b, s = 2, 6
+    emb, feat = torch.randn(s, b, h, generator=g), torch.randn(s, b, h, generator=g)
+    pos = torch.arange(s)[None].expand(b, s)
+    mask = torch.ones(s, s, dtype=torch.bool).tril()[None].expand(b, s, s)
+    with torch.no_grad():
+        got = layer(emb, feat, AttnContext(position_ids=pos, mask=mask))
+        for fast in (False, True):
+            assert torch.equal(draft._eagle3_first_layer(emb, feat, AttnContext(position_ids=pos, mask=mask), fast), got)
+
+    # the EAGLE-3 midlayer formula (vLLM / SGLang llama_eagle3), from the weights alone
+    w = {k: v.detach() for k, v in ours.items() if torch.is_tensor(v)}
+    qkv = w["self_attention.linear_qkv.weight"].view(2, 4, 16, 2 * h)  # [groups, (q, q, k, v), head_dim, 2h]
+    fc1 = w["mlp.linear_fc1.weight"]
+    ref_w = {"self_attn.q_proj.weight": qkv[:, :2].reshape(-1, 2 * h), "self_attn.k_proj.weight": qkv[:, 2].reshape(-1, 2 * h),
+             "self_attn.v_proj.weight": qkv[:, 3].reshape(-1, 2 * h),
+             "self_attn.o_proj.weight": w["self_attention.linear_proj.weight"],
+             "mlp.gate_proj.weight": fc1[: fc1.shape[0] // 2], "mlp.up_proj.weight": fc1[fc1.shape[0] // 2:],
+             "mlp.down_proj.weight": w["mlp.linear_fc2.weight"]}
+    conf = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0}
+    eps = draft.config.layernorm_epsilon
+    e, f = emb.transpose(0, 1), feat.transpose(0, 1)
+    x = torch.cat([_rms(e, w["input_layernorm.weight"], eps), _rms(f, w["hidden_norm.weight"], eps)], -1)
+    r = f + _attention(x, ref_w, "", conf)
+    r = r + _mlp(_rms(r, w["pre_mlp_layernorm.weight"], eps), ref_w, "")
+    assert torch.allclose(got.transpose(0, 1), r, atol=1e-5, rtol=1e-4)
+
+    # no private megatron methods driving the layer from outside
+    for src in (inspect.getsource(eagle), inspect.getsource(fastpath)):
+        for banned in ("_forward_mlp", "_forward_attention", "layer.self_attn_bda"):
+            assert banned not in src, banned
+
+
+def test_eagle3_draft_builds_no_module_it_replaces(monkeypatch):
+    """Every parallel linear the EAGLE-3 / P-EAGLE draft constructs is one it keeps (no module built, then
+    swapped for another after construction)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    built = []
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        init = cls.__init__
+
+        def counting(self, *a, _init=init, **kw):
+            _init(self, *a, **kw)
+            built.append(self)
+        monkeypatch.setattr(cls, "__init__", counting)
+    for kw in (ALG_KWARGS["eagle3"], dict(algorithm="peagle", num_eagle_layers=2)):
+        base = build_gpt(_cfg())
+        built.clear()
+        draft = SpeculativeTransform(**kw)(base).eagle_module
+        kept = {id(mod) for mod in draft.modules()}
+        assert built and all(id(mod) in kept for mod in built), [type(mod).__name__ for mod in built]
+
+
 @pytest.mark.parametrize("alg", ALGS)
 def test_idempotent_and_no_stacking(alg):
     m = SpeculativeTransform(**ALG_KWARGS[alg])(build_gpt(_cfg()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_spec.inference import SamplingError, SamplingParams, generate
-from nemo_spec.inference.suffix import (SuffixStore, SuffixTrie, TrieCursor, expand, global_store, node_budget)
+from nemo_spec.inference.proposers.suffix import (SuffixStore, SuffixTrie, TrieCursor, expand, global_store, node_budget)
 from nemo_spec.models import build_gpt
 from tests.helpers import tiny_llama
 from tests.inference_utils import chi2_critical, chi2_stat, naive_greedy
@@ -257,7 +257,7 @@ def test_server_learns_from_served_responses(tmp_path):
 # ------------------------------------------------------------------------------------------------ cost, benchmark
 
 def test_replay_reproduces_the_generation_steps(llama):
-    from nemo_spec.inference.suffix import replay_cost
+    from nemo_spec.inference.proposers.suffix import replay_cost
 
     m, ref = llama
     outs = generate(m, PROMPTS, SamplingParams(max_new_tokens=24), method="suffix", options={"ignore_eos": True})

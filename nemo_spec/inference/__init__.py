@@ -2,7 +2,7 @@
 from nemo_spec.inference.engine import GenerationResult
 from nemo_spec.inference.generate import generate, get_engine
 from nemo_spec.inference.sampling import SamplingError, SamplingParams, sample, warp_logits
-from nemo_spec.inference.speculative import METHODS
+from nemo_spec.inference.proposers import METHODS
 from nemo_spec.inference.session import Session
 
 __all__ = ["GenerationResult", "METHODS", "SamplingError", "SamplingParams", "Session", "generate", "get_engine",

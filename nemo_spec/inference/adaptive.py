@@ -74,8 +74,7 @@ class AdaptiveSpeculation:
                  explore_every: int = 32) -> None:
         self.proposer = proposer
         self.levels: List[int] = list(proposer.levels)
-        self.depths = [proposer.level_depth(i) if hasattr(proposer, "level_depth") else self.levels[i]
-                       for i in range(len(self.levels))]
+        self.depths = [proposer.level_depth(i) for i in range(len(self.levels))]
         self.forwards = [proposer.draft_forwards(i) for i in range(len(self.levels))]
         D = max(self.depths) if self.depths else 0
         self.trials = [prior_weight] * (D + 2)

@@ -242,7 +242,7 @@ BENCH_GLOBAL_CACHE = 256
 def warm_suffix_store(model: torch.nn.Module, warm_prompts: List[List[int]], max_new_tokens: int,
                       options: Dict[str, Any]) -> Dict[str, Any]:
     """Fill the model's global suffix store with greedy outputs for ``warm_prompts``; returns the frozen options."""
-    from nemo_spec.inference.suffix import DEFAULT_MAX_DEPTH, global_store
+    from nemo_spec.inference.proposers.suffix import DEFAULT_MAX_DEPTH, global_store
 
     opts = {"global_cache": BENCH_GLOBAL_CACHE, **options, "ignore_eos": True, "global_update": True}
     store = global_store(model, opts["global_cache"], opts.get("max_depth", DEFAULT_MAX_DEPTH))
@@ -257,7 +257,7 @@ def warm_suffix_store(model: torch.nn.Module, warm_prompts: List[List[int]], max
 
 def add_proposal_cost(model: torch.nn.Module, prompts: List[List[int]], row: Dict[str, Any]) -> None:
     """Replay a suffix row's outputs through the proposer: its time per step next to the row's verify step."""
-    from nemo_spec.inference.suffix import replay_cost
+    from nemo_spec.inference.proposers.suffix import replay_cost
 
     opts = row.get("options") or {}
     cost = replay_cost(model, prompts, row["tokens"], opts)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.inference.speculative import METHODS
+from nemo_spec.inference.proposers import METHODS
 
 log = logging.getLogger(__name__)
 

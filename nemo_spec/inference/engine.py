@@ -1,7 +1,7 @@
 """The generation engine: KV caches, tree/chain verification with lossless acceptance on the device.
 
 One loop serves every method (:class:`nemo_spec.inference.session.Session`). Each step a *proposer* (see
-:mod:`nemo_spec.inference.speculative`) returns a draft tree per row; the target verifies
+:mod:`nemo_spec.inference.proposers`) returns a draft tree per row; the target verifies
 ``[last token, draft nodes]`` in ONE forward with a tree mask and tree positions, writing every candidate into
 the cache; every row's accepted path is found at once on the device (:func:`sampling.tree_accept_rows`), kept
 in the cache (``KVCache.keep``) and each row advances by its own accepted length (ragged batches). Only the

@@ -9,7 +9,7 @@ import torch
 
 from nemo_spec.inference.engine import Engine, GenerationResult, OnFinish, OnTokens
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.inference.speculative import METHODS
+from nemo_spec.inference.proposers import METHODS
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, tau_of,
                                         peak_memory_bytes)
 from nemo_spec.inference.sampling import SamplingError, SamplingParams, row_generators
-from nemo_spec.inference.speculative import _chain_block, _last_valid, make_proposer
+from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
+from nemo_spec.inference.proposers.common import chain_block, last_valid
 from nemo_spec.inference.transfer import allowed_sync, h2d, tensor
 from nemo_spec.inference.trees import pad_chains
 
@@ -82,7 +83,6 @@ class Session:
                  max_seq_len: Optional[int] = None, prefill_chunk_tokens: Optional[int] = None,
                  adaptive: Optional[bool] = None) -> None:
         from nemo_spec.inference.generate import get_engine
-        from nemo_spec.inference.speculative import METHODS
 
         if method not in METHODS:
             raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")
@@ -102,7 +102,7 @@ class Session:
             raise SamplingError(str(err)) from None
         self.model = model
         self.engine = get_engine(model)
-        self.proposer = make_proposer(method, model, self.engine, draft_model, options)
+        self.proposer: Proposer = make_proposer(method, model, self.engine, draft_model, options)
         self.method = method
         self.tokenizer = tokenizer
         cfg = self.engine.cfg
@@ -345,7 +345,7 @@ class Session:
         tok, val = pad_chains(pieces, pad=self.pad_id, device=dev)
         nxt_t, _ = pad_chains(nxt, n=tok.shape[1], pad=self.pad_id, device=dev)
         view = self.kv.view(lo, hi)
-        ctx = _chain_block(view, tok, val, self.max_pos, max_length=max(before), padded=True)
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(before), padded=True)
         out = gpt_forward(self.engine.target, tok, ctx, aux_layers=self.aux, compute_logits=False)
         counts_dev = tensor(counts, dev)
         view.lengths += counts_dev
@@ -353,7 +353,7 @@ class Session:
         first_dev = None
         if final_idx:
             fi = tensor(final_idx, dev)
-            h_last = _last_valid(out.hidden, counts_dev)[fi]  # [f, h]
+            h_last = last_valid(out.hidden, counts_dev)[fi]  # [f, h]
             logits = gather_vocab(output_logits(self.engine.target, h_last[None], fast=True))[0]
             fst = StepState([span[i] for i in final_idx], self.max_pos)
             first_dev = self.engine.pick(fst, logits)

@@ -185,11 +185,12 @@ def compile_layers(model: torch.nn.Module, mode: Any) -> int:
 
     from nemo_spec import parallel
     from nemo_spec.models import fastpath
+    from nemo_spec.speculative.eagle import Eagle3FirstLayer  # its MLP half (fastpath.fused_layer_forward)
 
     mode = resolve_mode(mode)
     n = 0
     for mod in model.modules():
-        if not isinstance(mod, TransformerLayer):
+        if not isinstance(mod, (TransformerLayer, Eagle3FirstLayer)):
             continue
         if mode is None or parallel.tp_size() > 1 or not fastpath.supported(mod):
             mod.__dict__.pop(_ATTR, None)

@@ -107,7 +107,7 @@ def _supported_mlp(mlp: torch.nn.Module) -> bool:
 
 
 def supported(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` (a TransformerLayer) can run on the fast path; cached on the layer."""
+    """Whether ``layer`` (a TransformerLayer or an EAGLE-3 first layer) can run on the fast path; cached on it."""
     ok = getattr(layer, "_nemo_fast_ok", None)
     if ok is None:
         try:
@@ -165,11 +165,15 @@ def layer_forward(layer: torch.nn.Module, h: torch.Tensor, ctx: Any) -> torch.Te
     return h + mlp(layer.mlp, norm(layer.pre_mlp_layernorm, h))
 
 
-def mlp_block(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The MLP half of a layer with its residual (used by the EAGLE-3 first draft layer)."""
-    if not _supported_mlp(layer.mlp):
-        return layer._forward_mlp(h)
-    if "_nemo_compile" in layer.__dict__:
+def fused_layer_forward(layer: torch.nn.Module, emb: torch.Tensor, feat: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """The EAGLE-3 first draft layer (:class:`~nemo_spec.speculative.eagle.Eagle3FirstLayer`) on embeddings and
+    features [s, b, h]: attention over cat(input_norm(emb), hidden_norm(feat)) with ``feat`` as residual, then
+    the MLP half; falls back to the module forward when not supported."""
+    if not supported(layer):
+        return layer(emb, feat, ctx)
+    x = torch.cat([norm(layer.input_layernorm, emb), norm(layer.hidden_norm, feat)], dim=-1)
+    h = feat + self_attention(layer.self_attention, x, ctx)
+    if "_nemo_compile" in layer.__dict__:  # opt-in torch.compile of the MLP half (models/compiled.py)
         from nemo_spec.models import compiled
 
         out = compiled.mlp_block(layer, h)

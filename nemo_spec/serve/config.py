@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from nemo_spec.config import ConfigError, dataclass_from_dict
 
-# the generation methods the engine has (nemo_spec.inference.speculative.METHODS; a test keeps them equal)
+# the generation methods the engine has (nemo_spec.inference.proposers.METHODS; a test keeps them equal)
 METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix", "peagle", "dflash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("continuous", "batch")
@@ -56,7 +56,7 @@ class ModelSpec:
         if not isinstance(self.options, dict):
             raise ConfigError(f"{where}: options must be a mapping, got {type(self.options).__name__}")
         from nemo_spec.inference.sampling import SamplingError
-        from nemo_spec.inference.speculative import check_options
+        from nemo_spec.inference.proposers import check_options
 
         try:
             check_options(self.options)

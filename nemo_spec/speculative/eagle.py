@@ -16,10 +16,18 @@ EAGLE-3 (vLLM / SGLang ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*`` incl. 
     layers.0.hidden_norm.weight            norm of the feature (fused base feature or previous draft output)
     layers.0.self_attention.linear_qkv     input 2h = cat(input_layernorm(embed), hidden_norm(feature))
     layers.0.*                             rest of a standard layer; its attention residual is the feature
+                                           (:class:`Eagle3FirstLayer`, built from :func:`eagle3_first_layer_spec`)
     layers.N.* (N >= 1)                    standard layers
     final_layernorm.weight                 ``norm``
     output_layer.weight [Vd, h]            ``lm_head`` over the draft vocabulary (vocab-parallel under TP)
     d2t [Vd] (int64 buffer)                base_id = draft_id + d2t[draft_id]
+
+Every draft layer is built from a megatron ``ModuleSpec`` with ``build_module``: layers >= 1 (and all EAGLE-1 layers)
+are megatron ``TransformerLayer``s of :func:`draft_layer_spec`; the EAGLE-3 first layer is an
+:class:`Eagle3FirstLayer` of :func:`eagle3_first_layer_spec`, whose submodules (``input_layernorm``,
+``hidden_norm``, a megatron ``SelfAttention`` whose ``linear_qkv`` is a :class:`ConcatInputColumnParallelLinear`
+over the 2h concatenation, ``pre_mlp_layernorm``, ``mlp`` and the bias-dropout-adds) all come from its spec; nothing
+is replaced after construction and no private megatron method is called.
 
 Draft layers are numbered from 1 inside the draft so they use their own KV cache (layer = layer_number - 1).
 They are dense Llama layers with the base's attention shape (``ModelConfig.draft_config``): no q/k norm, no
@@ -31,14 +39,17 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from nemo_spec._mcore import ensure_metadata, sharded_state_dict_default
@@ -168,6 +179,88 @@ def draft_layer_spec(skip_input_norm: bool = False) -> ModuleSpec:
     return spec
 
 
+class ConcatInputColumnParallelLinear(ColumnParallelLinear):
+    """A ColumnParallelLinear over the concatenation of ``INPUT_STREAMS`` inputs of the size it is built with.
+
+    A megatron ``linear_qkv`` builder (megatron-core 0.16 ``SelfAttention.__init__`` calls
+    ``submodules.linear_qkv(config.hidden_size, qkv_size, ...)``, attention.py:1267): put in a ``SelfAttention``
+    spec it gives that attention a ``2h``-input qkv projection, the EAGLE-3 first layer's
+    ``qkv(cat(input_layernorm(embed), hidden_norm(feature)))``. Parameters, TP sharding and state-dict entries are
+    a plain ColumnParallelLinear's.
+    """
+
+    INPUT_STREAMS = 2
+
+    def __init__(self, input_size: int, output_size: int, *args, **kwargs) -> None:
+        super().__init__(self.INPUT_STREAMS * input_size, output_size, *args, **kwargs)
+
+
+@dataclass
+class Eagle3FirstLayerSubmodules:
+    """Submodules of :class:`Eagle3FirstLayer` (megatron ``TransformerLayerSubmodules`` plus ``hidden_norm``)."""
+
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    hidden_norm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+
+
+class Eagle3FirstLayer(MegatronModule):
+    """The EAGLE-3 first draft layer (vLLM / SGLang ``midlayer``), every submodule built from its spec::
+
+        x = cat(input_layernorm(embed), hidden_norm(feature))          [s, b, 2h]
+        h = feature + self_attention(x)                                 (the feature is the attention residual)
+        out = h + mlp(pre_mlp_layernorm(h))
+
+    State-dict names are those of a megatron TransformerLayer plus ``hidden_norm.*``.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Eagle3FirstLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout: Optional[float] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        norm_kw = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        # built in TransformerLayer's order; hidden_norm last, where the state dicts written so far have it
+        self.input_layernorm = build_module(submodules.input_layernorm, **norm_kw)
+        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number,
+                                           pg_collection=pg_collection)
+        self.self_attn_bda = build_module(submodules.self_attn_bda)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kw)
+        mlp_kw = ({"tp_group": pg_collection.tp}
+                  if isinstance(submodules.mlp, ModuleSpec) and submodules.mlp.module is MLP
+                  else {"pg_collection": pg_collection})
+        self.mlp = build_module(submodules.mlp, config=config, **mlp_kw)
+        self.mlp_bda = build_module(submodules.mlp_bda)
+        self.hidden_norm = build_module(submodules.hidden_norm, **norm_kw)
+
+    def forward(self, emb: torch.Tensor, feature: torch.Tensor, ctx: Optional[AttnContext] = None) -> torch.Tensor:
+        """Token embeddings ``emb`` [s, b, h] and features ``feature`` [s, b, h] -> hidden states [s, b, h]."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], dim=-1)
+        attn = self.self_attention(x, attention_mask=ctx)  # (output, bias)
+        fused = self.config.bias_dropout_fusion
+        h = self.self_attn_bda(self.training, fused)(attn, feature, self.hidden_dropout)
+        out = self.mlp(self.pre_mlp_layernorm(h))
+        return self.mlp_bda(self.training, fused)(out, h, self.hidden_dropout)
+
+
+def eagle3_first_layer_spec() -> ModuleSpec:
+    """The EAGLE-3 first layer: the draft layer spec's parts, a 2h-input ``linear_qkv`` and a ``hidden_norm``."""
+    sub = draft_layer_spec().submodules
+    attn = sub.self_attention
+    attn.submodules.linear_qkv = ConcatInputColumnParallelLinear
+    return ModuleSpec(module=Eagle3FirstLayer, submodules=Eagle3FirstLayerSubmodules(
+        input_layernorm=sub.input_layernorm, hidden_norm=WrappedTorchNorm, self_attention=attn,
+        self_attn_bda=sub.self_attn_bda, pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp,
+        mlp_bda=sub.mlp_bda))
+
+
 def ttt_mask(seq_len: int, step: int, device: torch.device) -> torch.Tensor:
     """Mask [s, s*(step+1)] for unrolled step ``step``: causal over step-0 keys, own position in later steps."""
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
@@ -193,16 +286,13 @@ class EagleDraft(MegatronModule):
         self.fc = torch.nn.Linear((3 if eagle3 else 2) * h, h, bias=not eagle3, dtype=p.dtype)
         layers = []
         for i in range(self.num_layers):
-            spec = draft_layer_spec(skip_input_norm=(i == 0 and not eagle3))
+            if i == 0:
+                spec = eagle3_first_layer_spec() if eagle3 else draft_layer_spec(skip_input_norm=True)
+            else:
+                spec = draft_layer_spec()
             layers.append(build_module(spec, config=tcfg, layer_number=i + 1))
         self.layers = torch.nn.ModuleList(layers)
         if eagle3:
-            first = self.layers[0]
-            attn = first.self_attention
-            attn.linear_qkv = ColumnParallelLinear(
-                2 * h, attn.query_projection_size + 2 * attn.kv_projection_size, config=tcfg, init_method=tcfg.init_method, gather_output=False,
-                bias=tcfg.add_bias_linear or tcfg.add_qkv_bias, skip_bias_add=False, is_expert=False)
-            first.hidden_norm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
             self.final_layernorm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
             vd = spec_config.draft_vocab_size or model_config.vocab_size
             self.draft_vocab_size = vd
@@ -305,16 +395,11 @@ class EagleDraft(MegatronModule):
 
     def _eagle3_first_layer(self, emb: torch.Tensor, feat: torch.Tensor, ctx: Optional[AttnContext],
                             fast: bool = False) -> torch.Tensor:
-        """EAGLE-3 midlayer: attention over cat(norm(embed), hidden_norm(feature)) with the feature as residual."""
-        layer: TransformerLayer = self.layers[0]
-        if fast and fastpath.supported(layer):
-            x = torch.cat([fastpath.norm(layer.input_layernorm, emb), fastpath.norm(layer.hidden_norm, feat)], dim=-1)
-            h = feat + fastpath.self_attention(layer.self_attention, x, ctx)
-            return fastpath.mlp_block(layer, h)
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feat)], dim=-1)
-        attn = layer.self_attention(x, attention_mask=ctx)
-        h = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(attn, feat, layer.hidden_dropout)
-        return layer._forward_mlp(h)
+        """EAGLE-3 midlayer (:class:`Eagle3FirstLayer`), on the fast path when gradients are off."""
+        layer: Eagle3FirstLayer = self.layers[0]
+        if fast:
+            return fastpath.fused_layer_forward(layer, emb, feat, ctx)
+        return layer(emb, feat, ctx)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Distributed-checkpoint view: TP-sharded layers/head, replicated fc/norms/d2t."""

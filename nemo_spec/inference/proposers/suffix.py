@@ -37,7 +37,8 @@ import torch
 
 from nemo_spec.inference.engine import DraftTree, StepState
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.inference.speculative import ARProposer, _opt_float, _opt_int
+from nemo_spec.inference.proposers.base import BaseProposer
+from nemo_spec.inference.proposers.common import opt_float, opt_int
 from nemo_spec.inference.trees import pad_chains
 
 log = logging.getLogger(__name__)
@@ -355,20 +356,20 @@ def _opt_bool(options: Dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-class SuffixProposer(ARProposer):
+class SuffixProposer(BaseProposer):
     """Suffix decoding: frequency-scored candidate trees from the request's own suffix trie and the model's global one."""
 
     name = "suffix"
 
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
-        self.cap = _opt_int(options, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
-        self.max_depth = _opt_int(options, "max_depth", DEFAULT_MAX_DEPTH, lo=2)
-        self.spec_factor = _opt_float(options, "spec_factor", DEFAULT_SPEC_FACTOR)
+        self.cap = opt_int(options, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
+        self.max_depth = opt_int(options, "max_depth", DEFAULT_MAX_DEPTH, lo=2)
+        self.spec_factor = opt_float(options, "spec_factor", DEFAULT_SPEC_FACTOR)
         p = options.get("min_token_prob", DEFAULT_MIN_TOKEN_PROB)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise SamplingError(f"option 'min_token_prob' must be a number in [0, 1], got {p!r}")
         self.min_prob = float(p)
-        self.global_capacity = _opt_int(options, "global_cache", 0, lo=0)
+        self.global_capacity = opt_int(options, "global_cache", 0, lo=0)
         self.global_update = _opt_bool(options, "global_update", True)
         self.lookahead = self.cap
         self.store = global_store(model, self.global_capacity, self.max_depth) if self.global_capacity else None

@@ -22,14 +22,15 @@ import torch
 from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
-from nemo_spec.inference.speculative import (_SpecModelProposer, _chain_block, _chain_levels, _choose,
-                                             _level_index, _opt_int, _stack_q, _swap_rows)
+from nemo_spec.inference.proposers.base import SpecModelProposer
+from nemo_spec.inference.proposers.common import (chain_block, chain_levels, choose, level_index, opt_int, stack_q,
+                                                  swap_rows)
 from nemo_spec.inference.transfer import tensor
 
 log = logging.getLogger(__name__)
 
 
-class PEagleProposer(_SpecModelProposer):
+class PEagleProposer(SpecModelProposer):
     """Parallel drafting with a P-EAGLE draft: a chain of up to ``num_draft_tokens`` tokens per forward."""
 
     name = "peagle"
@@ -38,7 +39,7 @@ class PEagleProposer(_SpecModelProposer):
         super().__init__(model, ("peagle",))
         draft = self.spec.eagle_module
         trained = int(self.spec.spec_config.parallel_depth)
-        self.depth = _opt_int(options, "num_draft_tokens", trained)
+        self.depth = opt_int(options, "num_draft_tokens", trained)
         if self.depth > trained:
             log.warning("peagle: num_draft_tokens=%d exceeds the %d depths the draft was trained for; the deeper "
                         "slots are untrained (output stays exact, acceptance drops)", self.depth, trained)
@@ -57,7 +58,7 @@ class PEagleProposer(_SpecModelProposer):
     @property
     def levels(self) -> List[int]:
         """0 .. num_draft_tokens draft tokens (every level costs one draft forward)."""
-        return _chain_levels(self.depth)
+        return chain_levels(self.depth)
 
     def draft_forwards(self, level: int) -> int:
         """One forward per step, whatever the level (level 0 still catches the draft up)."""
@@ -93,8 +94,8 @@ class PEagleProposer(_SpecModelProposer):
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' draft cache rows and pending pairs."""
         self.cache.swap_rows(i, j, used + self.extra_slots)
-        _swap_rows(self.pend_feat, i, j)
-        _swap_rows(self.pend_tok, i, j)
+        swap_rows(self.pend_feat, i, j)
+        swap_rows(self.pend_tok, i, j)
         self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
 
     # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
@@ -111,7 +112,7 @@ class PEagleProposer(_SpecModelProposer):
         valid = torch.arange(n, device=dev)[None] < tensor(run, dev)[:, None]
         view = self.cache.view(ch.lo, ch.hi)
         if max(run) > 0:
-            ctx = _chain_block(view, ch.next_ids, valid, self.max_pos, max_length=max(ch.before), padded=True)
+            ctx = chain_block(view, ch.next_ids, valid, self.max_pos, max_length=max(ch.before), padded=True)
             self.spec.draft_step(ch.next_ids, feats, ctx, head=False)
             view.lengths += tensor(run, dev)
         for i in range(m):
@@ -143,7 +144,7 @@ class PEagleProposer(_SpecModelProposer):
         """Run the pending pairs plus K-1 mask slots in one draft forward; draft K tokens as a chain."""
         dev = sess.device
         b = st.b
-        k = self.levels[_level_index(self.levels, level)]
+        k = self.levels[level_index(self.levels, level)]
         self._step_depth = k
         n_pend = self.pend_n[:b]
         masks = max(k - 1, 0)
@@ -163,7 +164,7 @@ class PEagleProposer(_SpecModelProposer):
         feat = mf[None, None].expand(b, width, -1).clone()
         feat[:, :wp] = torch.where(is_pair[:, :wp, None], self.pend_feat[:b, :wp], feat[:, :wp])
         view = self.cache.view(0, b)
-        ctx = _chain_block(view, tok, valid, self.max_pos,
+        ctx = chain_block(view, tok, valid, self.max_pos,
                            max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
         _, logits = self.spec.draft_step(tok, feat, ctx, head=k > 0)
         view.lengths += npend[:, 0]
@@ -178,11 +179,11 @@ class PEagleProposer(_SpecModelProposer):
         greedy = [p.greedy for p in st.params]
         drafts, qs = [], []
         for d in range(k):
-            t, q = _choose(st, lg[:, d], greedy)
+            t, q = choose(st, lg[:, d], greedy)
             drafts.append(self.d2t_ids[t])
             qs.append(None if q is None else self._to_base(q))
         tokens = torch.stack(drafts, 1)
-        return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=_stack_q(qs))
+        return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=stack_q(qs))
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""

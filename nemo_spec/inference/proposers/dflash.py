@@ -23,14 +23,15 @@ import torch
 
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
-from nemo_spec.inference.speculative import _SpecModelProposer, _chain_levels, _level_index, _opt_int, _swap_rows
+from nemo_spec.inference.proposers.base import SpecModelProposer
+from nemo_spec.inference.proposers.common import chain_levels, level_index, opt_int, swap_rows
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.models import model_config
 
 log = logging.getLogger(__name__)
 
 
-class DFlashProposer(_SpecModelProposer):
+class DFlashProposer(SpecModelProposer):
     """Block drafting with a DFlash draft: a chain of up to ``num_draft_tokens`` (default B - 1) per forward."""
 
     name = "dflash"
@@ -39,7 +40,7 @@ class DFlashProposer(_SpecModelProposer):
         super().__init__(model, ("dflash",))
         draft = self.spec.eagle_module
         trained = int(self.spec.spec_config.block_size) - 1
-        self.depth = _opt_int(options, "num_draft_tokens", trained)
+        self.depth = opt_int(options, "num_draft_tokens", trained)
         if self.depth > trained:
             log.warning("dflash: num_draft_tokens=%d exceeds the %d mask slots the draft was trained with (block "
                         "size %d); the extra slots are untrained (output stays exact, acceptance drops)",
@@ -53,11 +54,11 @@ class DFlashProposer(_SpecModelProposer):
     @property
     def levels(self) -> List[int]:
         """0 .. num_draft_tokens draft tokens (every level but 0 costs one draft forward)."""
-        return _chain_levels(self.depth)
+        return chain_levels(self.depth)
 
     def draft_forwards(self, level: int) -> int:
         """One block forward per step (none at level 0)."""
-        return 1 if self.levels[_level_index(self.levels, level)] > 0 else 0
+        return 1 if self.levels[level_index(self.levels, level)] > 0 else 0
 
     def _fused(self, out) -> torch.Tensor:
         return self.spec.fuse(self.spec.base_features(out))
@@ -81,7 +82,7 @@ class DFlashProposer(_SpecModelProposer):
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' context rows and anchors."""
         self.cache.swap_rows(i, j, used + self.extra_slots)
-        _swap_rows(self.last_tok, i, j)
+        swap_rows(self.last_tok, i, j)
 
     # ---- context injection -----------------------------------------------------------------------------------
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
@@ -113,7 +114,7 @@ class DFlashProposer(_SpecModelProposer):
 
         dev = sess.device
         b = st.b
-        k = self.levels[_level_index(self.levels, level)]
+        k = self.levels[level_index(self.levels, level)]
         if k == 0:
             return DraftTree.empty(b, dev)
         view = self.cache.view(0, b)

@@ -1,0 +1,114 @@
+"""Helpers shared by the proposers: option parsing, per-slot row buffers, speculation levels, draft chains."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nemo_spec.inference.engine import StepState
+from nemo_spec.inference.sampling import SamplingError, sample_from, warp_rows
+from nemo_spec.inference.transfer import h2d
+from nemo_spec.inference.trees import block_context, chain_mask
+
+
+def opt_int(options: Dict[str, Any], key: str, default: int, lo: int = 1) -> int:
+    """Integer option ``key`` (>= ``lo``) or ``default``; SamplingError otherwise."""
+    v = options.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise SamplingError(f"option {key!r} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def opt_float(options: Dict[str, Any], key: str, default: float) -> float:
+    """Finite positive number option ``key`` or ``default``; SamplingError otherwise."""
+    v = options.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SamplingError(f"option {key!r} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+# Greedy rows rank EAGLE-2 tree candidates at this draft temperature (see EagleProposer._score_temperatures).
+DEFAULT_SCORE_TEMPERATURE = 0.2
+
+# Every option generate() understands: method knobs, then engine knobs. Anything else is a typo.
+KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
+                 "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
+                 "global_update", "pad_id", "max_cache_len", "ignore_eos", "adaptive", "prefill_chunk_tokens",
+                 "max_batch", "compile")
+
+
+def check_options(options: Dict[str, Any]) -> None:
+    """Reject unknown option names (a misspelt knob would otherwise be silently ignored)."""
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise SamplingError(f"unknown generation option(s) {unknown}; known options: {list(KNOWN_OPTIONS)}")
+
+
+def set_rows(buf: torch.Tensor, lo: int, hi: int, mask: torch.Tensor, value: torch.Tensor) -> None:
+    """buf[lo:hi] = value where mask [hi-lo] is True (no host sync)."""
+    view = buf[lo:hi]
+    view.copy_(torch.where(mask.view(-1, *([1] * (view.dim() - 1))), value.to(view.dtype), view))
+
+
+def swap_rows(buf: Optional[torch.Tensor], i: int, j: int) -> None:
+    """Exchange rows i and j of a per-slot buffer (None: nothing to do)."""
+    if buf is None or i == j:
+        return
+    tmp = buf[i].clone()
+    buf[i] = buf[j]
+    buf[j] = tmp
+
+
+def level_index(levels: List[int], level: Optional[int]) -> int:
+    """Index of ``level`` in ``levels`` (None: the top one), clamped."""
+    return len(levels) - 1 if level is None else max(0, min(int(level), len(levels) - 1))
+
+
+def chain_block(cache, tokens: torch.Tensor, valid: torch.Tensor, max_pos: int, prefix=None, depth0: int = 0,
+                 max_length: Optional[int] = None, padded: bool = False):
+    """Context for right-padded ragged chains [b, n] appended to ``cache`` (``padded``: see block_context)."""
+    anc, depth = chain_mask(valid)
+    return block_context(cache, anc, depth + depth0, max_pos, prefix, max_length=max_length,
+                         single_decode=tokens.shape[1] == 1 and prefix is None, padded=padded)
+
+
+def last_valid(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [b, n, ...] at index counts-1 per row (clamped to 0)."""
+    idx = (counts - 1).clamp(min=0)
+    return x[torch.arange(x.shape[0], device=x.device), idx]
+
+
+def choose(st: StepState, logits: torch.Tensor, rows_greedy: List[bool]):
+    """Pick one draft token per row from logits [b, V]: argmax (greedy rows) or a sample of the warped dist.
+
+    Returns (tokens [b], warped draft probs [b, V] — one-hot for greedy rows; None when every row is greedy,
+    since greedy verification never reads q).
+    """
+    tok = logits.argmax(-1)
+    if all(rows_greedy):
+        return tok, None
+    q = warp_rows(logits, st.params)
+    samp = [r for r, g in enumerate(rows_greedy) if not g]
+    if samp:
+        u = torch.zeros(st.b)
+        u[samp] = st.rng.uniform(1, samp)[:, 0]
+        mask = torch.tensor([not g for g in rows_greedy])
+        tok = torch.where(h2d(mask, q.device), sample_from(q, h2d(u, q.device)), tok)
+    return tok, q
+
+
+def stack_q(qs: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """Per-node draft distributions [b, n+1, V] (the last node's children are never drafted: zeros), or None."""
+    if qs[0] is None:
+        return None
+    return torch.stack(qs + [torch.zeros_like(qs[0])], 1)
+
+
+def chain_levels(n: int) -> List[int]:
+    """Chain speculation levels 0, 1, ..., n draft tokens."""
+    out, k = [0], 1
+    while k < n:
+        out.append(k)
+        k += 1
+    return out + [n]

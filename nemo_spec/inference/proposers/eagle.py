@@ -1,0 +1,237 @@
+"""EAGLE-1 / EAGLE-3 drafting: a chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nemo_spec.models import model_config
+from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
+from nemo_spec.inference.proposers.base import SpecModelProposer
+from nemo_spec.inference.proposers.common import (DEFAULT_SCORE_TEMPERATURE, chain_block, chain_levels, choose,
+                                                  last_valid, level_index, opt_float, opt_int, set_rows,
+                                                  stack_q, swap_rows)
+from nemo_spec.inference.sampling import SamplingError
+from nemo_spec.inference.transfer import tensor
+from nemo_spec.inference.trees import block_context, pad_chains, select_tree
+
+
+class EagleProposer(SpecModelProposer):
+    """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
+
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool) -> None:
+        self.name = "eagle_tree" if tree else "eagle"
+        super().__init__(model, ("eagle1", "eagle3"))
+        self.tree = tree
+        if tree:
+            self.depth = opt_int(options, "depth", 5)
+            self.top_k = opt_int(options, "top_k", 8)
+            self.total = opt_int(options, "total_tokens", 48)
+            cap = self.top_k + (self.depth - 1) * self.top_k * self.top_k
+            self.total = min(self.total, cap)
+            self.lookahead = self.total
+            self.spec_slots = self.depth * self.top_k
+            self.score_temperature = opt_float(options, "score_temperature", DEFAULT_SCORE_TEMPERATURE)
+        else:
+            self.depth = opt_int(options, "num_draft_tokens", options.get("depth", 4))
+            self.lookahead = self.depth
+            self.spec_slots = self.depth
+        self.extra_slots = self.spec_slots + 1
+        vd = int(self.spec.d2t.numel())
+        if tree and self.top_k > vd:
+            raise SamplingError(f"option top_k={self.top_k} exceeds the draft vocabulary size {vd}")
+        d2t_in = torch.arange(vd, device=self.spec.d2t.device)
+        self.d2t_ids = self.spec.draft_to_base_ids(d2t_in).long()
+        self.V = model_config(self.spec).vocab_size
+        self.max_pos = model_config(self.spec).max_position_embeddings
+        self.root_hidden: Optional[torch.Tensor] = None
+        self.root_logits: Optional[torch.Tensor] = None
+
+    def _tree_shape(self, level: int) -> "tuple[int, int]":
+        """(depth, total nodes) of the tree at ``level`` (level = depth; the node budget shrinks with it)."""
+        d = max(1, min(level, self.depth))
+        total = min(self.total, max(1, round(self.total * d / self.depth)), self.top_k + (d - 1) * self.top_k ** 2)
+        return d, total
+
+    @property
+    def levels(self) -> List[int]:
+        """Chain: 0 .. depth tokens; tree: 0, then one tree per depth with a proportional node budget."""
+        if not self.tree:
+            return chain_levels(self.depth)
+        return [0] + [self._tree_shape(d)[1] for d in range(1, self.depth + 1)]
+
+    def level_depth(self, level: int) -> int:
+        """Chain: its length; tree: the level is the depth."""
+        return self.levels[level] if not self.tree else level
+
+    def draft_forwards(self, level: int) -> int:
+        """A catch-up forward plus one per drafted level beyond the first."""
+        i = level_index(self.levels, level)
+        return 1 + max(0, i - 1)
+
+    def _features(self, out) -> torch.Tensor:
+        return self.spec.fuse(self.spec.base_features(out))
+
+    def setup(self, sess: Any) -> None:
+        """The draft's KV cache, one row per slot (plus room for the drafted tree levels)."""
+        self.cache = sess.engine.cache(("eagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.root_hidden = self.root_logits = None
+        self.slots = sess.slots
+
+    def admit(self, sess: Any, slot: int, row: Any) -> None:
+        """Empty the slot's draft cache row."""
+        self.cache.lengths[slot] = 0
+        self.cache.starts[slot] = 0
+
+    def _store_root(self, lo: int, hi: int, mask: Optional[torch.Tensor], hid: torch.Tensor,
+                    logits: torch.Tensor) -> None:
+        if self.root_hidden is None:
+            self.root_hidden = hid.new_zeros(self.slots, hid.shape[-1])
+            self.root_logits = logits.new_zeros(self.slots, logits.shape[-1])
+        if mask is None:
+            self.root_hidden[lo:hi] = hid
+            self.root_logits[lo:hi] = logits
+        else:
+            set_rows(self.root_hidden, lo, hi, mask, hid)
+            set_rows(self.root_logits, lo, hi, mask, logits)
+
+    def prefill(self, sess: Any, ch: PrefillChunk) -> None:
+        """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk, the prompt's last pairing with the first
+        new token; rows whose prompt is complete get their drafting root."""
+        feats = self._features(ch.out)
+        view = self.cache.view(ch.lo, ch.hi)
+        ctx = chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
+        hid, logits = self.spec.draft_step(ch.next_ids, feats, ctx)
+        view.lengths += ch.counts_dev
+        if any(ch.final):
+            self._store_root(ch.lo, ch.hi, ch.final_dev, last_valid(hid, ch.counts_dev),
+                             last_valid(logits, ch.counts_dev))
+        for r in ch.rows:
+            if r is not None:
+                r.draft_forwards += 1
+
+    def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
+        """Catch the draft up: the accepted path's base features paired with the emitted tokens."""
+        feats = self._features(res.out)
+        b = st.b
+        dev = feats.device
+        K = max(len(p) for p in res.paths)
+        idx = res.path[:, :K]
+        f = feats[torch.arange(b, device=dev)[:, None], idx]
+        tok, val = pad_chains(res.emitted, n=K, device=dev)
+        counts = res.accepted + 1
+        view = self.cache.view(0, b)
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(st.lengths))
+        hid, logits = self.spec.draft_step(tok, f, ctx)
+        view.lengths += counts
+        self._store_root(0, b, None, last_valid(hid, counts), last_valid(logits, counts))
+        st.count_draft(1)
+
+    def swap(self, i: int, j: int, used: int) -> None:
+        """Exchange the two slots' draft cache rows and roots."""
+        self.cache.swap_rows(i, j, used + self.extra_slots)
+        swap_rows(self.root_hidden, i, j)
+        swap_rows(self.root_logits, i, j)
+
+    def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
+        out = torch.zeros(*q_draft.shape[:-1], self.V, dtype=q_draft.dtype, device=q_draft.device)
+        return out.index_add_(-1, self.d2t_ids.to(q_draft.device), q_draft)
+
+    def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
+        """Draft a chain or an EAGLE-2 tree from the root (draft hidden/logits after the accepted tokens)."""
+        i = level_index(self.levels, level)
+        if i == 0:
+            return DraftTree.empty(st.b, sess.device)
+        view = self.cache.view(0, st.b)
+        if self.tree:
+            d, total = self._tree_shape(i)
+            return self._tree(sess, st, view, d, total)
+        return self._chain(sess, st, view, self.levels[i])
+
+    def _chain(self, sess: Any, st: StepState, view, depth: int) -> DraftTree:
+        dev = sess.device
+        b = st.b
+        h, lg = self.root_hidden[:b], self.root_logits[:b]
+        greedy = [p.greedy for p in st.params]
+        drafts, qs = [], []
+        mx = max(st.lengths)
+        for i in range(depth):
+            d, q = choose(st, lg, greedy)
+            d = self.d2t_ids[d]
+            drafts.append(d)
+            qs.append(None if q is None else self._to_base(q))
+            if i < depth - 1:
+                prefix = torch.ones(b, 1, i, dtype=torch.bool, device=dev)
+                ctx = chain_block(view, d[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev),
+                                   self.max_pos, prefix=prefix, depth0=i, max_length=mx)
+                hid, logits = self.spec.draft_step(d[:, None], h[:, None], ctx)
+                h, lg = hid[:, 0], logits[:, 0]
+                st.count_draft(1)
+        tokens = torch.stack(drafts, 1)
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        return DraftTree.chains(tokens, valid, q=stack_q(qs))
+
+    def _score_temperatures(self, st: StepState, dev: torch.device) -> torch.Tensor:
+        """Per-row temperature [b, 1] for ranking tree candidates.
+
+        EAGLE-2 ranks nodes by the draft's path probability, a proxy for the chance the target accepts them.
+        A sampling row accepts by the target's warped distribution, so its own temperature is the right
+        sharpening. A greedy row accepts exactly the target's argmax, which a draft that has learned the
+        target's (often flat) distribution predicts far more often than its probabilities say: ranked at
+        temperature 1 the deep top-1 chain loses to shallow siblings. ``score_temperature`` (< 1) sharpens
+        greedy rows' scores so the tree keeps its depth. Only the tree's shape changes; output is unaffected.
+        """
+        t = [self.score_temperature if p.greedy else float(p.temperature) for p in st.params]
+        return tensor(t, dev, torch.float32)[:, None]
+
+    def _tree(self, sess: Any, st: StepState, view, depth_max: int, total: int) -> DraftTree:
+        dev = sess.device
+        b, k = st.b, self.top_k
+        rows = torch.arange(b, device=dev)[:, None]
+        temp = self._score_temperatures(st, dev)
+        lp = torch.log_softmax(self.root_logits[:b].float() / temp, -1).clamp(min=-1e4)
+        s, t = lp.topk(k, -1)
+        cand_tok, cand_score, cand_par, cand_depth = [self.d2t_ids[t]], [s], [torch.full((b, k), -1, device=dev)], [
+            torch.ones(b, k, device=dev)]
+        exp_idx = torch.arange(k, device=dev)[None].expand(b, k)  # global candidate index of expanded nodes
+        exp_tok, exp_score = self.d2t_ids[t], s
+        exp_h = self.root_hidden[:b, None].expand(b, k, -1)
+        prefix = torch.zeros(b, k, 0, dtype=torch.bool, device=dev)
+        base = k
+        eye = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(b, k, k)
+        mx = max(st.lengths)
+        for d in range(1, depth_max):
+            depth = torch.full((b, k), d - 1, dtype=torch.long, device=dev)
+            ctx = block_context(view, eye, depth, self.max_pos, prefix, max_length=mx)
+            hid, logits = self.spec.draft_step(exp_tok, exp_h, ctx)
+            st.count_draft(1)
+            S = prefix.shape[-1]
+            lp = torch.log_softmax(logits.float() / temp[:, None], -1).clamp(min=-1e4)
+            s2, t2 = lp.topk(k, -1)  # [b, k, k]
+            cum = (exp_score[:, :, None] + s2).reshape(b, k * k)
+            par = exp_idx[:, :, None].expand(b, k, k).reshape(b, k * k)
+            toks = self.d2t_ids[t2].reshape(b, k * k)
+            cand_tok.append(toks)
+            cand_score.append(cum)
+            cand_par.append(par)
+            cand_depth.append(torch.full((b, k * k), d + 1, device=dev))
+            if d == depth_max - 1:
+                break
+            best = cum.topk(k, -1).indices  # [b, k] within this level
+            pj = best // k  # which expanded node is the parent
+            own = torch.zeros(b, k, S + k, dtype=torch.bool, device=dev)
+            own[rows.expand(b, k), torch.arange(k, device=dev)[None].expand(b, k), S + pj] = True
+            prefix = torch.cat([prefix, torch.zeros(b, k, k, dtype=torch.bool, device=dev)], -1)
+            prefix = prefix[rows, pj] | own
+            exp_idx = base + best
+            exp_tok = toks[rows, best]
+            exp_score = cum[rows, best]
+            exp_h = hid[rows, pj]
+            base += k * k
+        tokens, parents = select_tree(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_par, 1).long(),
+                                      torch.cat(cand_depth, 1), total)
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        n = tokens.shape[1]
+        return DraftTree(tokens, parents, valid, max_depth=min(depth_max, n), max_children=min(k, n), sizes=[n] * b)
