@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="arrival rates (requests/s): compare the schedulers (batch vs continuous) under Poisson load")
     p.add_argument("--schedulers", default="batch,continuous")
+    p.add_argument("--max-tokens-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="--poisson: each request's max_tokens drawn uniformly from [LO, HI] (mixed lengths, the same "
+                        "for every scheduler) instead of --max-tokens")
     p.add_argument("--late", type=int, nargs=2, metavar=("LONG", "SHORT"), default=None,
                    help="time to first token of a SHORT-token request sent --late-delay s into a LONG-token one, per "
                         "scheduler (in engine steps: the long request's median streaming gap)")
@@ -68,7 +71,10 @@ def main(argv=None) -> int:
         from nemo_spec.serve.benchmark import compare_schedulers, format_poisson
 
         parallel.initialize(1)
-        res = compare_schedulers(a.checkpoint, a.poisson, a.requests or 32, a.max_tokens, a.method, a.options,
+        budget = tuple(a.max_tokens_range) if a.max_tokens_range else a.max_tokens
+        if a.max_tokens_range and not 1 <= a.max_tokens_range[0] <= a.max_tokens_range[1]:
+            p.error(f"--max-tokens-range {a.max_tokens_range[0]} {a.max_tokens_range[1]}: need 1 <= LO <= HI")
+        res = compare_schedulers(a.checkpoint, a.poisson, a.requests or 32, budget, a.method, a.options,
                                  a.max_batch, a.schedulers.split(","))
         print(format_poisson(res))
         if a.json:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -179,23 +180,26 @@ async def _timed(client: Any, model: str, prompt: str, max_tokens: int) -> tuple
     return tokens, ttft if ttft is not None else time.perf_counter() - t0, gaps
 
 
-async def _poisson(base_url: str, model: str, prompts: Sequence[str], rate: float, requests: int, max_tokens: int,
+async def _poisson(base_url: str, model: str, prompts: Sequence[str], rate: float, requests: int, max_tokens: Any,
                    seed: int) -> tuple:
+    """``requests`` streamed requests at Poisson arrival times; ``max_tokens`` an int, or (lo, hi): each request's
+    budget drawn uniformly from [lo, hi] (seeded: the same arrivals and budgets for every scheduler)."""
     import random
 
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600)
     rng = random.Random(seed)
-    delays, t = [], 0.0
+    delays, budgets, t = [], [], 0.0
     for _ in range(requests):
         t += rng.expovariate(rate)
         delays.append(t)
+        budgets.append(rng.randint(*max_tokens) if isinstance(max_tokens, (tuple, list)) else int(max_tokens))
     t0 = time.perf_counter()
 
     async def one(i: int) -> tuple:
         await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
-        return await _timed(client, model, prompts[i % len(prompts)], max_tokens)
+        return await _timed(client, model, prompts[i % len(prompts)], budgets[i])
 
     out = await asyncio.gather(*(one(i) for i in range(requests)))
     elapsed = time.perf_counter() - t0
@@ -207,28 +211,48 @@ def _run_poisson(*args: Any) -> tuple:
     return asyncio.run(_poisson(*args))
 
 
-def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0), requests: int = 32,
-                       max_tokens: int = 64, method: str = "ar", options: Optional[Dict[str, Any]] = None,
-                       max_batch: int = 16, schedulers: Sequence[str] = ("batch", "continuous"),
-                       prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0) -> List[PoissonResult]:
-    """Serve ``checkpoint`` in-process once per scheduler and replay the same Poisson arrivals at each rate
-    (requests per second) against it; clients run in a spawned process (no GIL contention with the server)."""
+@contextlib.contextmanager
+def _client_pool() -> Iterator[Any]:
+    """One spawned process for the benchmark's clients (no GIL contention with the in-process server)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
+
+
+@contextlib.contextmanager
+def _served(pool: Any, checkpoint: str, scheduler: str, method: str, options: Optional[Dict[str, Any]],
+            max_batch: int, warm_prompts: Sequence[str], max_queue: int = 64) -> Iterator[str]:
+    """``checkpoint`` served in-process with ``scheduler``, warmed up by two short requests; yields the /v1 URL."""
     from nemo_spec.serve import ModelSpec, ServeConfig
     from nemo_spec.serve.server import ServerThread
 
-    results: List[PoissonResult] = []
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
+                     max_batch=max_batch, scheduler=scheduler)
+    server = ServerThread(ServeConfig(models=[spec], max_queue=max_queue)).start()
     try:
+        url = server.url + "/v1"
+        pool.submit(_run_poisson, url, "bench", list(warm_prompts), 50.0, 2, 8, 0).result()
+        yield url
+    finally:
+        server.stop()
+
+
+def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0), requests: int = 32,
+                       max_tokens: Any = 64, method: str = "ar", options: Optional[Dict[str, Any]] = None,
+                       max_batch: int = 16, schedulers: Sequence[str] = ("batch", "continuous"),
+                       prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0) -> List[PoissonResult]:
+    """Serve ``checkpoint`` in-process once per scheduler and replay the same Poisson arrivals at each rate
+    (requests per second) against it; clients run in a spawned process (no GIL contention with the server).
+    ``max_tokens``: every request's budget, or (lo, hi) to draw each one uniformly (mixed lengths)."""
+    results: List[PoissonResult] = []
+    with _client_pool() as pool:
         for sched in schedulers:
-            spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
-                             max_batch=max_batch, scheduler=sched)
-            server = ServerThread(ServeConfig(models=[spec], max_queue=max(64, 2 * requests))).start()
-            try:
-                url = server.url + "/v1"
-                pool.submit(_run_poisson, url, "bench", list(prompts), 50.0, 2, 8, seed).result()  # warm-up
+            with _served(pool, checkpoint, sched, method, options, max_batch, prompts, max(64, 2 * requests)) as url:
                 for rate in rates:
                     out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
                                                max_tokens, seed).result()
@@ -239,10 +263,6 @@ def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0)
                                                  _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99)))
                     log.info("%s at %.1f req/s: %.1f tok/s, ttft p50 %.3fs p99 %.3fs", sched, rate,
                              results[-1].tokens_per_s, results[-1].ttft_p50_s, results[-1].ttft_p99_s)
-            finally:
-                server.stop()
-    finally:
-        pool.shutdown()
     return results
 
 
@@ -310,22 +330,10 @@ def late_request(checkpoint: str, long_tokens: int = 250, short_tokens: int = 4,
     """Per scheduler: a ``long_tokens`` request, and ``delay_s`` later a ``short_tokens`` one with free batch slots;
     the short one's time to first token against the idle server's and against the engine step time (the long
     request's median streaming gap). Served in-process; clients run in a spawned process."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from nemo_spec.serve import ModelSpec, ServeConfig
-    from nemo_spec.serve.server import ServerThread
-
     results: List[LateResult] = []
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    try:
+    with _client_pool() as pool:
         for sched in schedulers:
-            spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
-                             max_batch=max_batch, scheduler=sched)
-            server = ServerThread(ServeConfig(models=[spec])).start()
-            try:
-                url = server.url + "/v1"
-                pool.submit(_run_poisson, url, "bench", [prompt], 50.0, 2, 8, 0).result()  # warm-up
+            with _served(pool, checkpoint, sched, method, options, max_batch, [prompt]) as url:
                 idle, late, step, before = pool.submit(_run_late, url, "bench", prompt, long_tokens, short_tokens,
                                                        delay_s).result()
                 per = (lambda t: t / step) if step > 0 else (lambda t: float("nan"))
@@ -333,10 +341,6 @@ def late_request(checkpoint: str, long_tokens: int = 250, short_tokens: int = 4,
                                           per(late - idle), before))
                 log.info("%s: late short request ttft %.3fs = %.1f steps (idle %.3fs)", sched, late,
                          results[-1].late_ttft_steps, idle)
-            finally:
-                server.stop()
-    finally:
-        pool.shutdown()
     return results
 
 
