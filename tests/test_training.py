@@ -179,11 +179,16 @@ class _StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def test_resume_is_exact(base, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash"])
+def test_resume_is_exact(base, tmp_path, monkeypatch, algorithm):
+    """Interrupted at step 3 and resumed == uninterrupted, also for the drafts whose objective samples (P-EAGLE's
+    COD elements, DFlash's anchors: one generator per micro-batch from the seed and the loop position)."""
     model_path, data = base
 
     def cfg_for(run):
-        c = small_train_config(tmp_path / run, "eagle3", steps=6, ckpt_every_n_steps=3, global_batch_size=4)
+        c = small_train_config(tmp_path / run, algorithm, steps=6, ckpt_every_n_steps=3, global_batch_size=4)
+        if algorithm == "dflash":  # the 2-layer base's first layer, blocks of 4, 4 random anchors
+            c.spec.block_size, c.spec.target_layer_ids, c.spec.num_anchors = 4, [0], 4  # 4 of ~40: sampled
         c.trainer.train_bs = 2  # 2 micro-batches accumulated per step
         c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
         return c

@@ -204,8 +204,12 @@ class SpeculativeGPT(MegatronModule):
     def training_losses(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                         base_out: Optional[GPTOutput] = None, decay: float = 0.8, ttt_steps: Optional[int] = None,
                         eagle1_ce_weight: float = 0.1, return_logits: bool = False,
-                        token_loss: bool = False) -> Dict[str, object]:
+                        token_loss: bool = False, generator: Optional[torch.Generator] = None) -> Dict[str, object]:
         """Draft losses for a batch: {"loss", "step_losses", "step_acc", (+ "base_logits", "step_logits")}.
+
+        ``generator`` (CPU) draws the P-EAGLE COD samples / DFlash anchors (default: torch's global RNG); the
+        training module seeds one per micro-batch from the run seed and the loop position, so a resumed run
+        draws what the uninterrupted one drew, and every TP rank draws the same.
 
         ``loss_mask[b, p]`` marks tokens that are training targets (default: all). The base runs under no_grad
         unless ``base_out`` (offline mode: gathered logits, final hidden, aux hiddens for EAGLE-3) is given.
@@ -225,11 +229,13 @@ class SpeculativeGPT(MegatronModule):
         if self.algorithm == "peagle":
             from nemo_spec.speculative.peagle import peagle_losses
 
-            return peagle_losses(self, input_ids, loss_mask, out, return_logits=return_logits, token_loss=token_loss)
+            return peagle_losses(self, input_ids, loss_mask, out, generator=generator, return_logits=return_logits,
+                                 token_loss=token_loss)
         if self.algorithm == "dflash":
             from nemo_spec.speculative.dflash import dflash_losses
 
-            return dflash_losses(self, input_ids, loss_mask, out, return_logits=return_logits, token_loss=token_loss)
+            return dflash_losses(self, input_ids, loss_mask, out, generator=generator, return_logits=return_logits,
+                                 token_loss=token_loss)
         if self.algorithm == "eagle3":
             return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
                                         decay=decay, return_logits=return_logits, token_loss=token_loss)

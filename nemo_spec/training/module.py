@@ -194,8 +194,10 @@ class SpeculativeLightningModule(pl.LightningModule):
         return out
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def compute_losses(self, batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-        """Loss dict for a batch (draft losses, or LM loss for a plain GPT)."""
+    def compute_losses(self, batch: Dict[str, torch.Tensor],
+                       generator: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """Loss dict for a batch (draft losses, or LM loss for a plain GPT); ``generator``: the draft objective's
+        sampling (P-EAGLE COD, DFlash anchors)."""
         if "base_hidden" not in batch:  # the base runs: its MoE layers need equal token counts over EP
             batch = pad_for_expert_parallel(batch)
         ids, mask = batch["input_ids"], batch["loss_mask"]
@@ -207,7 +209,17 @@ class SpeculativeLightningModule(pl.LightningModule):
 
             base_out = base_output_from_batch(self.model, batch)
         return self.model.training_losses(ids, mask.bool(), base_out=base_out, decay=self.loss_cfg.decay,
-                                          eagle1_ce_weight=self.loss_cfg.eagle1_ce_weight)
+                                          eagle1_ce_weight=self.loss_cfg.eagle1_ce_weight, generator=generator)
+
+    def sampling_generator(self, stage: str, batch_idx: int) -> torch.Generator:
+        """The draft objective's RNG for one micro-batch: seeded from the run seed, the stage, the epoch and the
+        batch index (restored exactly on resume; the same on every TP rank, which see the same batch)."""
+        try:
+            epoch = self.trainer.current_epoch
+        except RuntimeError:  # not attached to a Trainer (a step called directly)
+            epoch = 0
+        key = (int(self.seed) * 1_000_003 + {"train": 0, "val": 1}[stage] * 7919 + epoch * 104_729 + batch_idx)
+        return torch.Generator().manual_seed(key % (2 ** 63))
 
     def _log_losses(self, out: Dict[str, Any], stage: str, batch_size: int) -> None:
         on_step = stage == "train"
@@ -221,14 +233,14 @@ class SpeculativeLightningModule(pl.LightningModule):
                      on_epoch=not on_step, prog_bar=(i == 0), batch_size=batch_size, sync_dist=not on_step)
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.compute_losses(batch)
+        out = self.compute_losses(batch, self.sampling_generator("train", batch_idx))
         self._consumed_in_epoch += self.samples_per_batch or batch["input_ids"].shape[0]
         self._log_losses(out, "train", batch["input_ids"].shape[0])
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, batch_size=1)
         return out["loss"]
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.compute_losses(batch)
+        out = self.compute_losses(batch, self.sampling_generator("val", batch_idx))
         self._log_losses(out, "val", batch["input_ids"].shape[0])
 
     # ---- optimisation -----------------------------------------------------------------------------------
