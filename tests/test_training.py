@@ -92,13 +92,18 @@ def test_gpu_trainer_without_cuda_is_clear():
 
 
 # ---- model_transform inside configure_model ---------------------------------------------------------------------
-def test_model_transform_applied_before_optimizer(tmp_path):
-    tok = tiny_tokenizer()
+def _tiny_eagle3_module(max_steps):
+    """An EAGLE-3 SpeculativeLightningModule on a tiny built Llama, and in-memory chat data for it."""
     module = SpeculativeLightningModule(model_config=tiny_llama(vocab_size=128),
                                         model_transform=SpeculativeTransform(algorithm="eagle3", ttt_steps=2),
-                                        optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=3)
-    dm = SpecDataModule(DataConfig(path="mem", max_seq_len=32, val_fraction=0.0), tok, micro_batch_size=2,
-                        records=synthetic_chats(16))
+                                        optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=max_steps)
+    dm = SpecDataModule(DataConfig(path="mem", max_seq_len=32, val_fraction=0.0), tiny_tokenizer(),
+                        micro_batch_size=2, records=synthetic_chats(16))
+    return module, dm
+
+
+def test_model_transform_applied_before_optimizer(tmp_path):
+    module, dm = _tiny_eagle3_module(3)
     module.configure_model()  # what the Trainer calls first; snapshot the weights it will start from
     base0 = {n: p.detach().clone() for n, p in module.model.gpt.named_parameters()}
     draft0 = {n: p.detach().clone() for n, p in module.model.draft.named_parameters()}
@@ -118,12 +123,7 @@ def test_max_time_stops_training_before_max_steps(tmp_path):
     """trainer.max_time_s (Lightning max_time): a same-wall-clock budget for comparing drafts; bad values named."""
     with pytest.raises(ConfigError, match="trainer.max_time_s must be a number of seconds > 0"):
         TrainerConfig(max_time_s=0).validate()
-    tok = tiny_tokenizer()
-    module = SpeculativeLightningModule(model_config=tiny_llama(vocab_size=128),
-                                        model_transform=SpeculativeTransform(algorithm="eagle3", ttt_steps=2),
-                                        optim=OptimConfig(lr=1e-2, warmup_steps=0), max_steps=100000)
-    dm = SpecDataModule(DataConfig(path="mem", max_seq_len=32, val_fraction=0.0), tok, micro_batch_size=2,
-                        records=synthetic_chats(16))
+    module, dm = _tiny_eagle3_module(100000)
     trainer = build_trainer(TrainerConfig(max_steps=100000, max_time_s=2.0, train_bs=2, val_check_interval=0,
                                           progress_bar=False), tmp_path, 1, [], loggers=False)
     trainer.fit(module, datamodule=dm)

@@ -115,6 +115,12 @@ class PrefillChunk:
     next_ids: Optional[torch.Tensor] = None
     out: Optional[GPTOutput] = None
 
+    def count_draft(self, n: int = 1) -> None:
+        """Charge n draft forwards to every row of the chunk."""
+        for r in self.rows:
+            if r is not None:
+                r.draft_forwards += n
+
 
 class StepState:
     """The rows of one decode step as the proposers see them (row i = cache row i of the step's view)."""

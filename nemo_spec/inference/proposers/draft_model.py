@@ -68,9 +68,7 @@ class DraftModelProposer(BaseProposer):
         view.lengths += ch.counts_dev
         for i, c in enumerate(ch.counts):
             self.count[ch.lo + i] += c
-        for r in ch.rows:
-            if r is not None:
-                r.draft_forwards += 1
+        ch.count_draft(1)
 
     def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
         """Catch the draft cache up (1-2 tokens), then draft gamma tokens autoregressively."""

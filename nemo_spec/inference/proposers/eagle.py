@@ -107,9 +107,7 @@ class EagleProposer(SpecModelProposer):
         if any(ch.final):
             self._store_root(ch.lo, ch.hi, ch.final_dev, last_valid(hid, ch.counts_dev),
                              last_valid(logits, ch.counts_dev))
-        for r in ch.rows:
-            if r is not None:
-                r.draft_forwards += 1
+        ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """Catch the draft up: the accepted path's base features paired with the emitted tokens."""

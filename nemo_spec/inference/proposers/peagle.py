@@ -122,9 +122,7 @@ class PEagleProposer(SpecModelProposer):
                 self.pend_feat[s, 0] = feats[i, last]
                 self.pend_tok[s, 0] = ch.next_ids[i, last]
                 self.pend_n[s] = 1
-        for r in ch.rows:
-            if r is not None:
-                r.draft_forwards += 1
+        ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """The accepted path's base features paired with the emitted tokens become the rows' pending pairs."""
