@@ -77,7 +77,8 @@ def test_generate_with_compile_option_gives_the_eager_tokens():
     outs = generate(spec, PROMPTS, sp, method="eagle", options={**opts, "compile": "default"})
     assert [o.tokens for o in outs] == ref
     draft_layers = list(spec.eagle_module.layers)
-    assert any(compiled.mode_of(layer) == "default" for layer in draft_layers)  # the draft's layers too
+    assert all(compiled.mode_of(layer) == "default" for layer in draft_layers)  # the draft's layers too, incl.
+    assert type(draft_layers[0]).__name__ == "Eagle3FirstLayer"  # the fused first layer (its MLP half compiled)
     # the option governs each session: without it the layers run eager again
     generate(spec, PROMPTS[:1], SamplingParams(max_new_tokens=2), method="eagle", options=opts)
     assert all(compiled.mode_of(layer) is None for layer in spec.modules()
