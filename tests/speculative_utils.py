@@ -23,6 +23,23 @@ def make_spec(cfg: ModelConfig, alg: str, seed: int = 0, perturb: bool = True):
     return perturb_draft(model, seed + 1) if perturb else model
 
 
+def train_draft(model, data: torch.Tensor, steps: int, lr: float = 3e-3, step_seed=None) -> List[dict]:
+    """Adam over the draft's parameters only, ``steps`` steps of ``model.training_losses(data)``; returns each
+    step's loss dict. ``step_seed``: ``torch.manual_seed(step_seed + i)`` before step i (sampled objectives)."""
+    model.train()
+    opt = torch.optim.Adam(list(model.draft_parameters()), lr=lr)
+    outs = []
+    for i in range(steps):
+        if step_seed is not None:
+            torch.manual_seed(step_seed + i)
+        res = model.training_losses(data)
+        opt.zero_grad()
+        res["loss"].backward()
+        opt.step()
+        outs.append(res)
+    return outs
+
+
 def perturb_draft(model, seed: int, scale: float = 0.05):
     """Add seeded Gaussian noise (``scale``) to every draft parameter (zero-initialised blocks become non-trivial)."""
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ from nemo_spec.models import build_gpt
 from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.speculative.dflash import DFlashContext, DFlashDraft, sample_anchors
 from tests.helpers import tiny_gpt2, tiny_llama
-from tests.speculative_utils import perturb_draft
+from tests.speculative_utils import perturb_draft, train_draft
 
 torch.set_num_threads(1)
 
@@ -167,14 +167,7 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone():
     base_before = {k: v.clone() for k, v in m.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
     torch.manual_seed(0)
     data = torch.randint(0, 12, (4, 24))  # a small alphabet: learnable quickly
-    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        res = m.training_losses(data)
-        opt.zero_grad()
-        res["loss"].backward()
-        opt.step()
-        losses.append(float(res["loss"]))
+    losses = [float(r["loss"]) for r in train_draft(m, data, 30)]
     assert losses[-1] < 0.8 * losses[0], losses
     assert all(torch.equal(v, m.gpt.state_dict()[k]) for k, v in base_before.items())  # base bit-identical
     assert all(p.grad is None for p in m.gpt.parameters())
@@ -288,14 +281,7 @@ def test_validation_tau_drafts_the_whole_trained_block(monkeypatch):
 
 def _trained(seed=6, steps=15):
     m = _model(seed=seed)
-    m.train()
-    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
-    data = torch.randint(0, 20, (4, 20))
-    for _ in range(steps):
-        loss = m.training_losses(data)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_draft(m, torch.randint(0, 20, (4, 20)), steps)
     return m.eval()
 
 

@@ -5,10 +5,10 @@ import torch
 from nemo_spec.config import ConfigError, SpeculativeConfig
 from nemo_spec.models import AttnContext, build_gpt
 from nemo_spec.speculative import SpeculativeTransform
-from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, cod_sample, flatten_cod,
+from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, flatten_cod,
                                           peagle_attention_mask)
 from tests.helpers import tiny_llama
-from tests.speculative_utils import perturb_draft
+from tests.speculative_utils import perturb_draft, train_draft
 
 torch.set_num_threads(1)
 
@@ -156,17 +156,10 @@ def test_loss_is_kl_and_falls_with_training():
     m = _model(perturb=False)
     torch.manual_seed(1)
     data = torch.randint(0, 96, (4, 32))
-    m.train()
-    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
-    losses = []
-    for i in range(30):
-        torch.manual_seed(100 + i)
-        res = m.training_losses(data)
-        opt.zero_grad()
-        res["loss"].backward()
-        opt.step()
-        losses.append(float(res["loss"]))
-        assert float(res["loss"]) >= -1e-5  # a KL divergence
+    outs = train_draft(m, data, 30, step_seed=100)
+    losses = [float(r["loss"]) for r in outs]
+    assert all(v >= -1e-5 for v in losses)  # a KL divergence
+    res = outs[-1]
     assert len(res["step_losses"]) == 3 and len(res["step_acc"]) == 3
     assert m.eagle_module.mask_hidden.grad is not None and m.eagle_module.mask_embed.grad is not None
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
@@ -193,15 +186,8 @@ def _trained(seed=4, steps=10):
     """A tiny P-EAGLE draft (reduced vocabulary, unsorted distinct aux layers) trained a few steps."""
     m = _model(seed=seed, draft_vocab_size=48, aux_layers=[3, 0, 1])
     m.set_draft_vocab(torch.arange(96, 0, -1).float(), reinit_head=False)
-    m.train()
-    opt = torch.optim.Adam(list(m.draft_parameters()), lr=3e-3)
     data = torch.randint(0, 96, (4, 24), generator=torch.Generator().manual_seed(seed))
-    for i in range(steps):
-        torch.manual_seed(100 + i)
-        loss = m.training_losses(data)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_draft(m, data, steps, step_seed=100)
     return m.eval()
 
 
