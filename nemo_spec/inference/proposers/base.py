@@ -127,3 +127,14 @@ class SpecModelProposer(BaseProposer):
             raise SamplingError(f"method {self.name!r} needs a draft of type {list(algorithms)}, the model has {alg!r}")
         self.spec = spec
         self.aux_layers = list(spec.aux_layers)
+
+    def features(self, out) -> torch.Tensor:
+        """The draft's input features from a target output: the fused base hidden states [b, s, h]."""
+        return self.spec.fuse(self.spec.base_features(out))
+
+    def path_features(self, res) -> torch.Tensor:
+        """Features at each row's verified path (root + accepted drafts): [b, K, h], K the longest path."""
+        feats = self.features(res.out)
+        K = max(len(p) for p in res.paths)
+        rows = torch.arange(feats.shape[0], device=feats.device)[:, None]
+        return feats[rows, res.path[:, :K]]

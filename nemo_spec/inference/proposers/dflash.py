@@ -60,9 +60,6 @@ class DFlashProposer(SpecModelProposer):
         """One block forward per step (none at level 0)."""
         return 1 if self.levels[level_index(self.levels, level)] > 0 else 0
 
-    def _fused(self, out) -> torch.Tensor:
-        return self.spec.fuse(self.spec.base_features(out))
-
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
         """The draft KV cache of injected context and each slot's anchor token."""
@@ -87,7 +84,7 @@ class DFlashProposer(SpecModelProposer):
     # ---- context injection -----------------------------------------------------------------------------------
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Inject the chunk's prompt positions; a completed prompt's first generated token becomes its anchor."""
-        fused = self._fused(ch.out)
+        fused = self.features(ch.out)
         dev = fused.device
         view = self.cache.view(ch.lo, ch.hi)
         self.spec.eagle_module.write_context(view, fused, tensor(ch.counts, dev))
@@ -97,12 +94,8 @@ class DFlashProposer(SpecModelProposer):
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """Inject the verified path's positions (root + accepted drafts); the bonus token becomes the anchor."""
-        fused = self._fused(res.out)
-        b = st.b
-        dev = fused.device
-        K = max(len(p) for p in res.paths)
-        rows = torch.arange(b, device=dev)[:, None]
-        path_feats = fused[rows, res.path[:, :K]]
+        path_feats = self.path_features(res)
+        b, dev = st.b, path_feats.device
         self.spec.eagle_module.write_context(self.cache.view(0, b), path_feats,
                                              tensor([len(p) for p in res.paths], dev))
         self.last_tok[:b] = tensor([em[-1] for em in res.emitted], dev)

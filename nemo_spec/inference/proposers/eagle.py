@@ -69,9 +69,6 @@ class EagleProposer(SpecModelProposer):
         i = level_index(self.levels, level)
         return 1 + max(0, i - 1)
 
-    def _features(self, out) -> torch.Tensor:
-        return self.spec.fuse(self.spec.base_features(out))
-
     def setup(self, sess: Any) -> None:
         """The draft's KV cache, one row per slot (plus room for the drafted tree levels)."""
         self.cache = sess.engine.cache(("eagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
@@ -99,7 +96,7 @@ class EagleProposer(SpecModelProposer):
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk, the prompt's last pairing with the first
         new token; rows whose prompt is complete get their drafting root."""
-        feats = self._features(ch.out)
+        feats = self.features(ch.out)
         view = self.cache.view(ch.lo, ch.hi)
         ctx = chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
         hid, logits = self.spec.draft_step(ch.next_ids, feats, ctx)
@@ -111,12 +108,8 @@ class EagleProposer(SpecModelProposer):
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """Catch the draft up: the accepted path's base features paired with the emitted tokens."""
-        feats = self._features(res.out)
-        b = st.b
-        dev = feats.device
-        K = max(len(p) for p in res.paths)
-        idx = res.path[:, :K]
-        f = feats[torch.arange(b, device=dev)[:, None], idx]
+        f = self.path_features(res)
+        b, K, dev = st.b, f.shape[1], f.device
         tok, val = pad_chains(res.emitted, n=K, device=dev)
         counts = res.accepted + 1
         view = self.cache.view(0, b)

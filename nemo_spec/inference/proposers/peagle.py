@@ -64,9 +64,6 @@ class PEagleProposer(SpecModelProposer):
         """One forward per step, whatever the level (level 0 still catches the draft up)."""
         return 1
 
-    def _features(self, out) -> torch.Tensor:
-        return self.spec.fuse(self.spec.base_features(out))
-
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
         """The draft KV cache and the per-slot pending pairs."""
@@ -102,7 +99,7 @@ class PEagleProposer(SpecModelProposer):
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Draft prefill over the chunk's pairs; a completed prompt's last pair (with the first generated token)
         is kept pending: it anchors the first drafted block."""
-        feats = self._features(ch.out)
+        feats = self.features(ch.out)
         dev = feats.device
         self._ensure_pending(feats.shape[-1], feats.dtype, dev)
         m = ch.hi - ch.lo
@@ -126,12 +123,9 @@ class PEagleProposer(SpecModelProposer):
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """The accepted path's base features paired with the emitted tokens become the rows' pending pairs."""
-        feats = self._features(res.out)
-        b = st.b
-        dev = feats.device
-        K = max(len(p) for p in res.paths)
-        rows = torch.arange(b, device=dev)[:, None]
-        self.pend_feat[:b, :K] = feats[rows, res.path[:, :K]]
+        f = self.path_features(res)
+        b, K, dev = st.b, f.shape[1], f.device
+        self.pend_feat[:b, :K] = f
         for r in range(b):
             em = res.emitted[r]
             self.pend_tok[r, :len(em)] = tensor(em, dev)
