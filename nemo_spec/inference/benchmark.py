@@ -73,10 +73,10 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
         for chunk in _chunks(prompts, batch_size):
             outs = generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts)
             sess = outs[0].stats.get("session", {})
-            k = sess.get("decode_steps", 0)
-            steps += k
-            draft_ms += k * sess.get("draft_ms_per_step", 0.0)
-            verify_ms += k * sess.get("verify_ms_per_step", 0.0)
+            n_dec = sess.get("decode_steps", 0)
+            steps += n_dec
+            draft_ms += n_dec * sess.get("draft_ms_per_step", 0.0)
+            verify_ms += n_dec * sess.get("verify_ms_per_step", 0.0)
             for lv, k in sess.get("levels", {}).items():
                 nodes = sess["draft_nodes_per_level"][lv]
                 chosen[nodes] = chosen.get(nodes, 0) + k
