@@ -73,6 +73,31 @@ def test_stage_cache_is_keyed_by_settings_chained_through_the_stages(tmp_path):
     assert not out_b.exists()                 # other settings: the stale output is removed first
 
 
+def test_stage_cache_follows_what_each_stage_reads(tmp_path):
+    """A changed transform (e.g. the draft vocabulary) redoes the transform, training, export and benchmark but
+    keeps the data and the self-distilled chats, which do not read it; changed data redoes everything after it."""
+    res = Q.QuickstartResult(work_dir=tmp_path)
+
+    def run(**changed):
+        res.fingerprints.clear()
+        redone = []
+        for stage in Q.STAGES:
+            out = tmp_path / stage
+            settings = changed.get(stage, 0)
+            if not Q._reuse_or_reset(res, stage, settings, [out], (out / "done").is_file):
+                out.mkdir()
+                (out / "done").write_text(str(settings))
+                redone.append(stage)
+        return redone
+
+    assert run() == list(Q.STAGES)
+    assert run() == []
+    assert run(speculate=1) == ["speculate", "train", "export", "benchmark"]
+    assert run(speculate=1, distill=1) == ["distill", "train", "export", "benchmark"]
+    assert run(speculate=1, distill=1, data=1) == ["data", "distill", "train", "export", "benchmark"]
+    assert run(speculate=1, distill=1, data=1, base=1) == list(Q.STAGES)
+
+
 def test_readme_smoke_run_as_written_then_cached_then_partly_redone():
     """The README's quickstart smoke command, run literally from nothing (tests.helpers.run_readme_command), prints
     its table; the same settings in-process reuse every stage with the same table; one benchmark setting changed

@@ -8,8 +8,9 @@ draft trains on those answers plus stdlib code; the benchmark runs code and chat
 
 Every stage writes its output under ``<cache>/quickstart/<base build name>/`` and is skipped when that
 output is complete and was made with the same settings: each stage stamps a fingerprint of its command and
-of the stages before it (``stamps/<stage>.txt``), so changing e.g. ``--train_steps`` redoes training and
-everything after it, while an interrupted stage with unchanged settings resumes (draft training from its
+of the stages whose outputs it reads (``stamps/<stage>.txt``), so changing e.g. ``--train_steps`` redoes training
+and everything after it, ``--draft_vocab_size`` redoes the transform and what follows it but not the data or the
+self-distilled chats, while an interrupted stage with unchanged settings resumes (draft training from its
 last checkpoint). Stages after the base run the project's own scripts in subprocesses — exactly the
 commands a user would type — and each command is logged before it runs.
 """
@@ -47,6 +48,11 @@ STAGE_REQUIREMENTS: Dict[str, tuple] = {
     "benchmark": ("nemo_spec.inference.benchmark", "scripts/benchmark.py"),
 }
 STAGES: tuple = tuple(STAGE_REQUIREMENTS)
+#: the stages whose outputs each stage reads: a stage's cache key chains theirs, so a changed setting redoes that
+#: stage and what depends on it, nothing else (a new draft vocabulary keeps the data and the self-distilled chats)
+STAGE_INPUTS: Dict[str, tuple] = {"base": (), "speculate": ("base",), "data": ("base",), "distill": ("base", "data"),
+                                  "train": ("speculate", "data", "distill"), "export": ("train",),
+                                  "benchmark": ("data", "export")}
 #: the stages run by default for a built-in base (no self-distilled chat data)
 BUILTIN_STAGES: tuple = tuple(s for s in STAGES if s != "distill")
 BASES = ("builtin", "smollm2")
@@ -136,9 +142,13 @@ class QuickstartResult:
 
 
 def _fingerprint(res: "QuickstartResult", stage: str, settings: object) -> str:
-    """Chain this stage's settings onto the fingerprint of the stage before it."""
+    """Chain this stage's settings onto the fingerprints of the stages whose outputs it reads (``STAGE_INPUTS``;
+    a stage not listed there: the stage run before it)."""
     res.fingerprints.pop(stage, None)
-    prev = res.fingerprints[list(res.fingerprints)[-1]] if res.fingerprints else ""
+    if stage in STAGE_INPUTS:
+        prev: object = [res.fingerprints.get(s, "") for s in STAGE_INPUTS[stage]]
+    else:
+        prev = res.fingerprints[list(res.fingerprints)[-1]] if res.fingerprints else ""
     blob = json.dumps([prev, stage, settings], sort_keys=True, default=str)
     fp = hashlib.sha256(blob.encode()).hexdigest()[:16]
     res.fingerprints[stage] = fp
