@@ -230,14 +230,17 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     d = m.eagle_module
 
-    def uncached(seq, k):
+    def uncached_logits(seq, k):  # slots 1..k of the block anchored at the row's last token, no cache
         L = len(seq) - 1
         feats = m.fuse(m.base_features(m.base_forward(torch.tensor([seq]), compute_logits=False)))
         tok = torch.full((1, k + 1), d.mask_token_id, dtype=torch.long)
         tok[0, 0] = seq[L]
         ctx = DFlashContext(position_ids=torch.arange(L, L + k + 1)[None], target=feats[:, :L].transpose(0, 1),
                             ctx_position_ids=torch.arange(L)[None])
-        return d(m.gpt, tok, ctx)[1][0, 1:].argmax(-1).tolist()
+        return d(m.gpt, tok, ctx)[1][0, 1:]
+
+    def uncached(seq, k):
+        return uncached_logits(seq, k).argmax(-1).tolist()
 
     orig, seen = D.DFlashProposer.propose, []
 
@@ -264,15 +267,6 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
 
     choices = parallel_tree_choices(3)  # the model's block size is 4: three draft slots
     parents, depths, ranks = medusa_tree(choices)
-
-    def uncached_logits(seq, k):
-        L = len(seq) - 1
-        feats = m.fuse(m.base_features(m.base_forward(torch.tensor([seq]), compute_logits=False)))
-        tok = torch.full((1, k + 1), d.mask_token_id, dtype=torch.long)
-        tok[0, 0] = seq[L]
-        ctx = DFlashContext(position_ids=torch.arange(L, L + k + 1)[None], target=feats[:, :L].transpose(0, 1),
-                            ctx_position_ids=torch.arange(L)[None])
-        return d(m.gpt, tok, ctx)[1][0, 1:]
 
     trees = []
 
