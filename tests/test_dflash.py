@@ -230,14 +230,17 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     d = m.eagle_module
 
-    def uncached(seq, k):
+    def uncached_logits(seq, k):  # slots 1..k of the block anchored at the row's last token, no cache
         L = len(seq) - 1
         feats = m.fuse(m.base_features(m.base_forward(torch.tensor([seq]), compute_logits=False)))
         tok = torch.full((1, k + 1), d.mask_token_id, dtype=torch.long)
         tok[0, 0] = seq[L]
         ctx = DFlashContext(position_ids=torch.arange(L, L + k + 1)[None], target=feats[:, :L].transpose(0, 1),
                             ctx_position_ids=torch.arange(L)[None])
-        return d(m.gpt, tok, ctx)[1][0, 1:].argmax(-1).tolist()
+        return d(m.gpt, tok, ctx)[1][0, 1:]
+
+    def uncached(seq, k):
+        return uncached_logits(seq, k).argmax(-1).tolist()
 
     orig, seen = D.DFlashProposer.propose, []
 
@@ -258,6 +261,30 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
         generate(m, prompts, [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate(budgets)],
                  method="dflash", options=opts)
     assert len(seen) > 20 and all(seen), (len(seen), seen.count(False))
+
+    # dflash_tree: node i is the rank-r_i token of slot d_i of the same block, on the static tree
+    from nemo_spec.inference.trees import medusa_tree, parallel_tree_choices
+
+    choices = parallel_tree_choices(3)  # the model's block size is 4: three draft slots
+    parents, depths, ranks = medusa_tree(choices)
+
+    trees = []
+
+    def checked_tree(self, sess, st, level=None):
+        tree = orig(self, sess, st, level)
+        assert tree.q is None
+        for r in range(st.b if tree.tokens.shape[1] else 0):
+            n = tree.tokens.shape[1]
+            top = uncached_logits(st.seqs[r], max(depths[:n]) + 1).topk(3).indices
+            want = [int(top[dd, k]) for dd, k in zip(depths[:n], ranks[:n])]
+            trees.append(tree.tokens[r].tolist() == want and tree.parents[r].tolist() == parents[:n])
+        return tree
+
+    monkeypatch.setattr(D.DFlashProposer, "propose", checked_tree)
+    with torch.no_grad():
+        generate(m, prompts, [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 1.0, seed=i)
+                              for i, n in enumerate(budgets)], method="dflash_tree", options=opts)
+    assert len(trees) > 20 and all(trees), (len(trees), trees.count(False))
 
 
 def test_validation_tau_drafts_the_whole_trained_block(monkeypatch):

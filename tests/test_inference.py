@@ -83,7 +83,7 @@ def _joining(model, method, draft, ref, opts=None):
 
 CASES = [("prompt_lookup", None), ("draft_model", "random"), ("draft_model", "noisy"), ("eagle", "eagle1"),
          ("eagle", "eagle3"), ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-         ("peagle", "peagle"), ("dflash", "dflash")]
+         ("peagle", "peagle"), ("dflash", "dflash"), ("peagle_tree", "peagle"), ("dflash_tree", "dflash")]
 
 
 @pytest.mark.parametrize("method,kind", CASES)
@@ -283,7 +283,8 @@ def trained(llama):
 
 @pytest.mark.parametrize("method,kind", [("eagle", "eagle1"), ("eagle_tree", "eagle1"), ("eagle", "eagle3"),
                                          ("eagle_tree", "eagle3"), ("medusa", "medusa"), ("peagle", "peagle"),
-                                         ("dflash", "dflash")])
+                                         ("dflash", "dflash"), ("peagle_tree", "peagle"),
+                                         ("dflash_tree", "dflash")])
 def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, method, kind):
     m, ref = llama
     outs = generate(trained[kind], PROMPTS, SamplingParams(max_new_tokens=10), method=method, options=OPTS)

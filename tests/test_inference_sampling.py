@@ -69,7 +69,8 @@ def _stat(setup, method, kind=None, joining=False):
 @pytest.mark.parametrize("joining", [False, True], ids=["fixed", "joining"])
 @pytest.mark.parametrize("method,kind", [("ar", None), ("prompt_lookup", None), ("draft_model", None),
                                          ("eagle", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-                                         ("peagle", "peagle"), ("dflash", "dflash")])
+                                         ("peagle", "peagle"), ("dflash", "dflash"), ("peagle_tree", "peagle"),
+                                         ("dflash_tree", "dflash")])
 def test_speculative_sampling_matches_ar(setup, method, kind, joining):
     stat, crit, tau = _stat(setup, method, kind, joining)
     assert stat < crit, (method, stat, crit)
@@ -79,7 +80,7 @@ def test_speculative_sampling_matches_ar(setup, method, kind, joining):
 
 @pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle", "eagle1"), ("eagle_tree", "eagle3"),
                                          ("medusa", "medusa"), ("prompt_lookup", None), ("peagle", "peagle"),
-                                         ("dflash", "dflash")])
+                                         ("dflash", "dflash"), ("peagle_tree", "peagle"), ("dflash_tree", "dflash")])
 def test_wrong_residual_is_caught(setup, method, kind, monkeypatch):
     # the engine accepts every row at once on the device (sampling.tree_accept_rows): break its residual there
     monkeypatch.setattr(sampling, "residual_rows", lambda p, q: p)  # resample from p instead of norm(max(0, p - q))
@@ -104,7 +105,7 @@ def test_same_seed_same_tokens_regardless_of_batch(setup):
 
 
 @pytest.mark.parametrize("method,kind", [("draft_model", None), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
-                                         ("peagle", "peagle"), ("dflash", "dflash")])
+                                         ("peagle", "peagle"), ("dflash", "dflash"), ("dflash_tree", "dflash")])
 def test_seeded_row_joining_a_running_batch_samples_as_alone(setup, method, kind):
     """A seeded row added while other rows are mid-generation (and others joining after it) gets the tokens it
     gets alone: per-row generators, per-row draft sizes, slots moved under it as rows leave."""

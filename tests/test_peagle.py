@@ -151,6 +151,60 @@ def test_proposer_drafts_what_the_one_forward_predicts():
             assert tokens[r].tolist() == want, (seq, tokens[r].tolist(), want)
 
 
+def test_tree_proposer_places_the_one_forwards_top_k_on_the_static_tree():
+    """peagle_tree: node i of every step's tree is the rank-r_i token of depth d_i's distribution of the same single
+    forward the chain uses, under the static tree's parents (ragged batch, greedy and sampled rows)."""
+    from nemo_spec.inference import SamplingParams
+    from nemo_spec.inference.session import Session
+    from nemo_spec.inference.trees import medusa_tree, parallel_tree_choices
+
+    m = _model(seed=2)
+    K = 3
+    choices = parallel_tree_choices(K)
+    parents, depths, ranks = medusa_tree(choices)
+    sess = Session(m, "peagle_tree", options={"num_draft_tokens": K}, max_batch=2)
+    assert sess.proposer.levels == [0, 3, 6, 8] and sess.proposer.lookahead == len(choices) == 8
+    seen = []
+    propose = sess.proposer.propose
+
+    def spy(s, st, level=None):
+        tree = propose(s, st, level)
+        seen.append(([list(x) for x in st.seqs], tree))
+        return tree
+
+    sess.proposer.propose = spy
+    for p, sp in (([5, 9, 11, 3, 5, 9], SamplingParams(max_new_tokens=8)),
+                  ([40, 2], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))):
+        sess.add(p, sp)
+    sess.run()
+    assert len(seen) >= 4
+    ids_of = m.draft_vocab_ids()
+    for seqs, tree in seen:
+        assert tree.q is None  # deterministic candidates at any temperature
+        for r, seq in enumerate(seqs):
+            ids = torch.tensor([seq])
+            top = [_drafting_logits(m, ids, len(seq) - 2, d).topk(3).indices for d in range(K)]
+            want = [int(ids_of[top[d][k]]) for d, k in zip(depths, ranks)]
+            assert tree.tokens[r].tolist() == want, (seq, tree.tokens[r].tolist(), want)
+            assert tree.parents[r].tolist() == parents
+
+
+def test_tree_choices_option():
+    """tree_choices picks the static tree (any rank paths within the draft's depths); a bad one is refused by name."""
+    from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.inference.sampling import SamplingError
+
+    m = _model(seed=2)
+    prompt, sp = [5, 9, 11, 3, 5, 9], SamplingParams(max_new_tokens=6)
+    ref = generate(m, [prompt], sp, method="ar")[0].tokens
+    out = generate(m, [prompt], sp, method="peagle_tree", options={"tree_choices": [[0], [1], [0, 0], [0, 1]]})[0]
+    assert out.tokens == ref and out.stats["method"] == "peagle_tree"
+    for bad, why in (([[0], [0, 0, 0, 0]], "deeper than the 3 draft positions"), ([[0, 1]], "lacks its prefix"),
+                     ([], "must not be empty"), ("x", "tree_choices")):
+        with pytest.raises(SamplingError, match=why):
+            generate(m, [prompt], sp, method="peagle_tree", options={"tree_choices": bad})
+
+
 # ---- the objective ---------------------------------------------------------------------------------------------------
 def test_loss_is_kl_and_falls_with_training():
     m = _model(perturb=False)

@@ -37,7 +37,7 @@ def available_methods(model: torch.nn.Module, draft_model: Optional[torch.nn.Mod
     elif alg == "medusa":
         methods.append("medusa")
     elif alg in ("peagle", "dflash"):  # one draft forward per step: the method is named after the draft
-        methods.append(alg)
+        methods += [alg, f"{alg}_tree"]
     return methods
 
 

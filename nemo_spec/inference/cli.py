@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-temperature", type=float, default=None,
                    help="eagle_tree: draft temperature for ranking tree nodes of greedy rows (default 0.2)")
     p.add_argument("--medusa-choices", default=None, help="medusa: JSON list of rank paths, e.g. '[[0],[1],[0,0]]'")
+    p.add_argument("--tree-choices", default=None,
+                   help="peagle_tree / dflash_tree: JSON list of rank paths over the draft positions (default: the "
+                        "top-1 chain + runner-ups near the root)")
     p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram matched")
     p.add_argument("--max-depth", type=int, default=None, help="suffix: suffix trie depth (longest match)")
     p.add_argument("--spec-factor", type=float, default=None, help="suffix: draft nodes per matched token")
@@ -94,11 +97,14 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
                      ("compile", args.compile)]:
         if val is not None:
             opts[key] = val
-    if args.medusa_choices:
-        try:
-            opts["medusa_choices"] = [tuple(c) for c in json.loads(args.medusa_choices)]
-        except (json.JSONDecodeError, TypeError) as e:
-            raise SamplingError(f"--medusa-choices must be a JSON list of lists, got {args.medusa_choices!r}") from e
+    for key in ("medusa_choices", "tree_choices"):
+        val = getattr(args, key)
+        if val:
+            try:
+                opts[key] = [tuple(c) for c in json.loads(val)]
+            except (json.JSONDecodeError, TypeError) as e:
+                flag = "--" + key.replace("_", "-")
+                raise SamplingError(f"{flag} must be a JSON list of lists, got {val!r}") from e
     if args.ignore_eos:
         opts["ignore_eos"] = True
     return opts

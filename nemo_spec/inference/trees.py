@@ -158,20 +158,35 @@ def children_lists(parents: Sequence[int], valid: Sequence[bool]) -> List[List[i
     return kids
 
 
-def validate_medusa_choices(choices: Sequence[Sequence[int]], num_heads: int) -> List[Choice]:
-    """Check a static Medusa tree (every prefix present, depth <= heads) and return it sorted by depth."""
-    out = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+def validate_medusa_choices(choices: Sequence[Sequence[int]], num_heads: int, option: str = "medusa_choices",
+                            depths: str = "Medusa heads") -> List[Choice]:
+    """Check a static tree of rank paths (every prefix present, depth <= ``num_heads``, the number of ``depths``
+    that predict) and return it sorted by depth; errors name ``option``."""
+    try:
+        out = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    except (TypeError, ValueError) as e:
+        raise SamplingError(f"{option} must be a list of rank paths (lists of ints), got {choices!r}") from e
     if not out:
-        raise SamplingError("medusa_choices must not be empty")
+        raise SamplingError(f"{option} must not be empty")
     have = set(out)
     for c in out:
         if not c or any(r < 0 for r in c):
-            raise SamplingError(f"medusa_choices entry {c} must be a non-empty path of ranks >= 0")
+            raise SamplingError(f"{option} entry {c} must be a non-empty path of ranks >= 0")
         if len(c) > num_heads:
-            raise SamplingError(f"medusa_choices entry {c} is deeper than the {num_heads} Medusa heads")
+            raise SamplingError(f"{option} entry {c} is deeper than the {num_heads} {depths}")
         if len(c) > 1 and c[:-1] not in have:
-            raise SamplingError(f"medusa_choices entry {c} lacks its prefix {c[:-1]}")
+            raise SamplingError(f"{option} entry {c} lacks its prefix {c[:-1]}")
     return out
+
+
+def parallel_tree_choices(depth: int) -> List[Choice]:
+    """Default static tree for a parallel (one-forward) draft of ``depth`` positions: the top-1 chain through
+    every depth (the chain the reference engines verify) plus the runner-up tokens where acceptance is decided
+    most often, near the root: ranks 1-2 at depth 1, rank 1 under the top-1 and rank-1 nodes at depth 2, rank 1
+    at depth 3. ``depth + 5`` nodes (fewer when ``depth < 3``)."""
+    chain = [(0,) * d for d in range(1, depth + 1)]
+    extra = [(1,), (2,), (0, 1), (1, 0), (0, 0, 1)]
+    return sorted(set(chain) | {c for c in extra if len(c) <= depth}, key=lambda c: (len(c), c))
 
 
 def medusa_tree(choices: Sequence[Choice]) -> Tuple[List[int], List[int], List[int]]:

@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional
 from nemo_spec.config import ConfigError, dataclass_from_dict
 
 # the generation methods the engine has (nemo_spec.inference.proposers.METHODS; a test keeps them equal)
-METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix", "peagle", "dflash")
+METHODS = ("ar", "eagle", "eagle_tree", "medusa", "draft_model", "prompt_lookup", "suffix", "peagle", "dflash",
+           "peagle_tree", "dflash_tree")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("continuous", "batch")
 
@@ -22,7 +23,7 @@ class ModelSpec:
     path: Optional[str] = None  # checkpoint dir (nemo_spec torch_dist, Megatron legacy or Hugging Face)
     tokenizer: Optional[str] = None  # tokenizer dir; None -> the checkpoint's tokenizer/ (or the HF dir itself)
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    method: str = "ar"  # ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup | suffix | peagle | dflash
+    method: str = "ar"  # ar | eagle | eagle_tree | medusa | draft_model | prompt_lookup | suffix | peagle[_tree] | dflash[_tree]
     options: Dict[str, Any] = field(default_factory=dict)  # passed to generate(options=...)
     draft_path: Optional[str] = None  # method=draft_model: the small draft model's checkpoint
     max_batch: int = 8  # rows generating at once (KV slots)

@@ -7,8 +7,10 @@
 ``eagle``, ``eagle_tree``  :mod:`.eagle` — EAGLE-1/3 chain, EAGLE-2 dynamic tree
 ``medusa``                :mod:`.medusa` — Medusa heads on a static tree
 ``suffix``                :mod:`.suffix` — suffix decoding over per-request and global suffix tries
-``peagle``                :mod:`.peagle` — P-EAGLE parallel drafting (one draft forward per step)
-``dflash``                :mod:`.dflash` — DFlash block drafting with KV injection (one draft forward per step)
+``peagle``, ``peagle_tree``  :mod:`.peagle` — P-EAGLE parallel drafting (one draft forward per step): chain, or a
+                          static top-k tree from the same forward
+``dflash``, ``dflash_tree``  :mod:`.dflash` — DFlash block drafting with KV injection (one draft forward per step):
+                          chain, or a static top-k tree from the same forward
 ========================  =====================================================================================
 
 :mod:`.base` holds the protocol, the no-op :class:`~.base.BaseProposer` and the SpeculativeGPT plumbing;
@@ -38,7 +40,7 @@ from nemo_spec.inference.sampling import SamplingError
 PROPOSERS: Dict[str, type] = {
     "ar": ARProposer, "eagle": EagleProposer, "eagle_tree": EagleProposer, "medusa": MedusaProposer,
     "draft_model": DraftModelProposer, "prompt_lookup": PromptLookupProposer, "suffix": SuffixProposer,
-    "peagle": PEagleProposer, "dflash": DFlashProposer,
+    "peagle": PEagleProposer, "dflash": DFlashProposer, "peagle_tree": PEagleProposer, "dflash_tree": DFlashProposer,
 }
 METHODS = tuple(PROPOSERS)
 
@@ -59,6 +61,8 @@ def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_mod
         return DraftModelProposer(draft_model, options, engine.cfg)
     if method in ("eagle", "eagle_tree"):
         return EagleProposer(model, options, tree=method == "eagle_tree")
+    if method in ("peagle_tree", "dflash_tree"):
+        return PROPOSERS[method](model, options, tree=True)
     return PROPOSERS[method](model, options)
 
 

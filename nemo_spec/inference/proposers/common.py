@@ -6,10 +6,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from nemo_spec.inference.engine import StepState
+from nemo_spec.inference.engine import DraftTree, StepState
 from nemo_spec.inference.sampling import SamplingError, sample_from, warp_rows
-from nemo_spec.inference.transfer import h2d
-from nemo_spec.inference.trees import block_context, chain_mask
+from nemo_spec.inference.transfer import h2d, tensor
+from nemo_spec.inference.trees import (block_context, chain_mask, medusa_tree, parallel_tree_choices,
+                                      validate_medusa_choices)
 
 
 def opt_int(options: Dict[str, Any], key: str, default: int, lo: int = 1) -> int:
@@ -33,7 +34,7 @@ DEFAULT_SCORE_TEMPERATURE = 0.2
 
 # Every option generate() understands: method knobs, then engine knobs. Anything else is a typo.
 KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
-                 "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
+                 "tree_choices", "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
                  "global_update", "pad_id", "max_cache_len", "ignore_eos", "adaptive", "prefill_chunk_tokens",
                  "max_batch", "compile")
 
@@ -112,3 +113,60 @@ def chain_levels(n: int) -> List[int]:
         out.append(k)
         k += 1
     return out + [n]
+
+
+class StaticTree:
+    """A static candidate tree over per-depth top-k ranks (Medusa's rank paths): node ``i`` is the
+    ``ranks[i]``-th most likely token of the distribution at depth ``depths[i]``, its parent ``parents[i]``.
+    Drafted in one gather from logits that predict every depth at once (Medusa heads, the single forward of a
+    P-EAGLE or DFlash draft). Candidates are deterministic (one-hot q): distinct siblings, verified losslessly by
+    the engine's multi-candidate rule at any temperature. Cut at each depth, the tree gives the proposer's
+    speculation levels."""
+
+    def __init__(self, choices, num_depths: int, vocab: int, option: str, depths: str) -> None:
+        self.choices = validate_medusa_choices(choices, num_depths, option, depths)
+        self.parents, self.depths, self.ranks = medusa_tree(self.choices)
+        self.kmax = max(self.ranks) + 1
+        if self.kmax > vocab:
+            raise SamplingError(f"{option} use rank {self.kmax - 1} >= vocab_size {vocab}")
+        self.max_depth = max(len(c) for c in self.choices)
+        self._dev: Dict[Any, Any] = {}
+
+    def nodes(self, depth: int) -> int:
+        """Nodes of depth <= ``depth`` (the choices are sorted by depth: a prefix)."""
+        return sum(1 for c in self.choices if len(c) <= depth)
+
+    @property
+    def levels(self) -> List[int]:
+        """0, then the tree cut at each depth."""
+        return [0] + [self.nodes(d) for d in range(1, self.max_depth + 1)]
+
+    def draft(self, logits: torch.Tensor, n: int, to_ids: Optional[torch.Tensor] = None) -> DraftTree:
+        """The first ``n`` nodes from ``logits`` [b, D, V] (depth d's distribution at [:, d]); ``to_ids`` maps
+        the logits' vocabulary to base token ids (a draft vocabulary)."""
+        b, dev = logits.shape[0], logits.device
+        if n == 0:
+            return DraftTree.empty(b, dev)
+        key = (n, dev)
+        if key not in self._dev:
+            self._dev[key] = (tensor(self.depths[:n], dev), tensor(self.ranks[:n], dev),
+                              tensor(self.parents[:n], dev))
+        depths, ranks, parents = self._dev[key]
+        top = logits.topk(self.kmax, -1).indices  # [b, D, kmax]
+        tokens = top[:, depths, ranks]  # [b, n]
+        if to_ids is not None:
+            tokens = to_ids[tokens]
+        kids = [0] * (n + 1)
+        for p in self.parents[:n]:
+            kids[p] += 1
+        return DraftTree(tokens.contiguous(), parents[None].expand(b, -1).contiguous(),
+                         torch.ones(b, n, dtype=torch.bool, device=dev), max_depth=len(self.choices[n - 1]),
+                         max_children=max(kids), sizes=[n] * b)
+
+
+def parallel_tree(options: Dict[str, Any], depth: int, vocab: int) -> StaticTree:
+    """The static tree of a one-forward draft of ``depth`` positions: option ``tree_choices`` (rank paths) or
+    :func:`~nemo_spec.inference.trees.parallel_tree_choices`."""
+    choices = options.get("tree_choices")
+    return StaticTree(parallel_tree_choices(depth) if choices is None else choices, depth, vocab, "tree_choices",
+                      "draft positions (num_draft_tokens)")

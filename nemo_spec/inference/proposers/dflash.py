@@ -13,6 +13,11 @@ The block [anchor, MASK x k] attends to the row's context and to itself (not cau
 token j by argmax, as the reference drafts (model.py:121, also when the target samples). Drafts are therefore
 deterministic: the tree carries no q (one-hot q), under which the engine's rejection rule accepts draft x with
 probability p(x) and resamples from p without x: lossless.
+
+``dflash_tree`` (beyond the references, which verify the chain): the block's per-slot distributions expanded into
+a static tree of top-k ranks (:class:`~.common.StaticTree`, option ``tree_choices``, default
+:func:`~nemo_spec.inference.trees.parallel_tree_choices`), still one draft forward per step; distinct
+deterministic siblings are verified losslessly by the same rule.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import chain_levels, level_index, opt_int, swap_rows
+from nemo_spec.inference.proposers.common import chain_levels, level_index, opt_int, parallel_tree, swap_rows
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.models import model_config
 
@@ -36,7 +41,7 @@ class DFlashProposer(SpecModelProposer):
 
     name = "dflash"
 
-    def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         super().__init__(model, ("dflash",))
         draft = self.spec.eagle_module
         trained = int(self.spec.spec_config.block_size) - 1
@@ -45,7 +50,10 @@ class DFlashProposer(SpecModelProposer):
             log.warning("dflash: num_draft_tokens=%d exceeds the %d mask slots the draft was trained with (block "
                         "size %d); the extra slots are untrained (output stays exact, acceptance drops)",
                         self.depth, trained, trained + 1)
-        self.lookahead = self.depth
+        self.tree = parallel_tree(options, self.depth, model_config(self.spec).vocab_size) if tree else None
+        if tree:
+            self.name = "dflash_tree"
+        self.lookahead = len(self.tree.choices) if tree else self.depth
         self.extra_slots = self.depth + 2  # a verified path (<= depth + 1 positions) is injected past the end
         self.mask_token_id = int(draft.mask_token_id)
         self.max_pos = model_config(self.spec).max_position_embeddings
@@ -53,8 +61,14 @@ class DFlashProposer(SpecModelProposer):
 
     @property
     def levels(self) -> List[int]:
-        """0 .. num_draft_tokens draft tokens (every level but 0 costs one draft forward)."""
-        return chain_levels(self.depth)
+        """0 .. num_draft_tokens draft tokens (tree: the tree cut at each depth); every level but 0 costs one
+        draft forward."""
+        return self.tree.levels if self.tree is not None else chain_levels(self.depth)
+
+    def level_depth(self, level: int) -> int:
+        """Deepest draft node at ``level``."""
+        i = level_index(self.levels, level)
+        return i if self.tree is not None else self.levels[i]
 
     def draft_forwards(self, level: int) -> int:
         """One block forward per step (none at level 0)."""
@@ -107,7 +121,7 @@ class DFlashProposer(SpecModelProposer):
 
         dev = sess.device
         b = st.b
-        k = self.levels[level_index(self.levels, level)]
+        k = self.level_depth(level)
         if k == 0:
             return DraftTree.empty(b, dev)
         view = self.cache.view(0, b)
@@ -117,6 +131,8 @@ class DFlashProposer(SpecModelProposer):
         ctx = DFlashContext(position_ids=pos, cache=view, kv_len=int(view.lengths.max()))
         _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx)
         st.count_draft(1)
+        if self.tree is not None:
+            return self.tree.draft(logits[:, 1:], self.levels[level_index(self.levels, level)])
         tokens = logits[:, 1:].argmax(-1)
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool))
 

@@ -11,6 +11,11 @@ uncommitted (the next block overwrites them).
 Each drafted token is drawn from its own distribution q_d (which does not depend on the tokens drafted before
 it); verification by the shared rejection rule is lossless for any such q (speculative sampling needs only
 that token d was drawn from the q_d it reports).
+
+``peagle_tree`` (beyond the references, which verify the chain): the same single forward's per-depth
+distributions expanded into a static tree of top-k ranks (:class:`~.common.StaticTree`, option
+``tree_choices``, default :func:`~nemo_spec.inference.trees.parallel_tree_choices`): deterministic candidates,
+verified by the shared tree machinery, still one draft forward per step.
 """
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import (chain_block, chain_levels, choose, level_index, opt_int, stack_q,
-                                                  swap_rows)
+from nemo_spec.inference.proposers.common import (chain_block, chain_levels, choose, level_index, opt_int,
+                                                  parallel_tree, stack_q, swap_rows)
 from nemo_spec.inference.transfer import tensor
 
 log = logging.getLogger(__name__)
@@ -35,7 +40,7 @@ class PEagleProposer(SpecModelProposer):
 
     name = "peagle"
 
-    def __init__(self, model: torch.nn.Module, options: Dict[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         super().__init__(model, ("peagle",))
         draft = self.spec.eagle_module
         trained = int(self.spec.spec_config.parallel_depth)
@@ -43,22 +48,29 @@ class PEagleProposer(SpecModelProposer):
         if self.depth > trained:
             log.warning("peagle: num_draft_tokens=%d exceeds the %d depths the draft was trained for; the deeper "
                         "slots are untrained (output stays exact, acceptance drops)", self.depth, trained)
-        self.lookahead = self.depth
         self.extra_slots = self.depth + 2  # pending pairs (<= depth + 1) and the mask slots past the committed end
         self.mask_token_id = int(draft.mask_token_id)
         vd = int(self.spec.d2t.numel())
         self.d2t_ids = self.spec.draft_to_base_ids(torch.arange(vd, device=self.spec.d2t.device)).long()
         self.V = model_config(self.spec).vocab_size
+        self.tree = parallel_tree(options, self.depth, vd) if tree else None
+        if tree:
+            self.name = "peagle_tree"
+        self.lookahead = len(self.tree.choices) if tree else self.depth
         self.max_pos = model_config(self.spec).max_position_embeddings
         self.pend_feat: Optional[torch.Tensor] = None
         self.pend_tok: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
-        self._step_depth = 0
 
     @property
     def levels(self) -> List[int]:
-        """0 .. num_draft_tokens draft tokens (every level costs one draft forward)."""
-        return chain_levels(self.depth)
+        """0 .. num_draft_tokens draft tokens (tree: the tree cut at each depth); every level costs one forward."""
+        return self.tree.levels if self.tree is not None else chain_levels(self.depth)
+
+    def level_depth(self, level: int) -> int:
+        """Deepest draft node at ``level``."""
+        i = level_index(self.levels, level)
+        return i if self.tree is not None else self.levels[i]
 
     def draft_forwards(self, level: int) -> int:
         """One forward per step, whatever the level (level 0 still catches the draft up)."""
@@ -136,8 +148,7 @@ class PEagleProposer(SpecModelProposer):
         """Run the pending pairs plus K-1 mask slots in one draft forward; draft K tokens as a chain."""
         dev = sess.device
         b = st.b
-        k = self.levels[level_index(self.levels, level)]
-        self._step_depth = k
+        k = self.level_depth(level)
         n_pend = self.pend_n[:b]
         masks = max(k - 1, 0)
         lens = [p + masks for p in n_pend]
@@ -168,6 +179,8 @@ class PEagleProposer(SpecModelProposer):
         rows = torch.arange(b, device=dev)[:, None]
         at = (npend - 1).clamp(min=0) + torch.arange(k, device=dev)[None]  # [b, k]: bonus pair, then masks
         lg = logits[rows, at]  # [b, k, Vd]
+        if self.tree is not None:
+            return self.tree.draft(lg, self.levels[level_index(self.levels, level)], self.d2t_ids)
         greedy = [p.greedy for p in st.params]
         drafts, qs = [], []
         for d in range(k):
