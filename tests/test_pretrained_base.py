@@ -62,6 +62,10 @@ def test_quickstart_config_for_pretrained_bases():
         Q.QuickstartConfig(base="gpt5").validate()
     args = Q.build_parser().parse_args(["--base", "smollm2", "--train_lr", "5e-4"])
     c = Q.config_from_args(args)
-    assert (c.draft_vocab_size, c.train_lr, c.num_prompts, c.code_max_bytes) == (16384, 5e-4, 8, 2_000_000)
+    assert (c.draft_vocab_size, c.train_steps, c.train_lr, c.num_prompts, c.code_max_bytes) == \
+        (8192, 240, 5e-4, 8, 2_000_000)
+    c = Q.config_from_args(Q.build_parser().parse_args(["--base", "smollm2", "--train_steps", "7"]))
+    assert (c.train_steps, c.draft_vocab_size) == (7, 8192)
     c = Q.config_from_args(Q.build_parser().parse_args([]))
-    assert (c.base, c.draft_vocab_size, c.train_lr, c.num_prompts, c.stages) == ("builtin", None, 3e-3, 16, None)
+    assert (c.base, c.draft_vocab_size, c.train_steps, c.train_lr, c.num_prompts, c.stages) == \
+        ("builtin", None, 200, 3e-3, 16, None)

@@ -57,7 +57,9 @@ STAGE_INPUTS: Dict[str, tuple] = {"base": (), "speculate": ("base",), "data": ("
 BUILTIN_STAGES: tuple = tuple(s for s in STAGES if s != "distill")
 BASES = ("builtin", "smollm2")
 #: SmolLM2 settings that differ from the built-in base's defaults (used unless given explicitly)
-SMOLLM2_DEFAULTS: Dict[str, object] = {"draft_vocab_size": 16384, "train_lr": 1e-3, "num_prompts": 8,
+#: (the draft vocabulary: 8192 of 49152 tokens cover 99.7% of the stdlib code's tokens and make a training step
+#: ~25% cheaper than 16384 on this CPU: the draft's LM head dominates its cost)
+SMOLLM2_DEFAULTS: Dict[str, object] = {"draft_vocab_size": 8192, "train_steps": 240, "train_lr": 1e-3, "num_prompts": 8,
                                        "code_max_bytes": 2_000_000}
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -472,8 +474,10 @@ def build_parser():
                    help=f"comma-separated subset of {','.join(STAGES)} (default: all of this base's; distill is "
                         f"for --base smollm2 only)")
     p.add_argument("--draft_vocab_size", type=int, default=None,
-                   help="EAGLE-3 draft vocabulary (default: half the base vocabulary, 16384 for smollm2; 0: all)")
-    p.add_argument("--train_steps", type=int, default=d.train_steps)
+                   help=f"EAGLE-3 draft vocabulary (default: half the base vocabulary, "
+                        f"{SMOLLM2_DEFAULTS['draft_vocab_size']} for smollm2; 0: all)")
+    p.add_argument("--train_steps", type=int, default=None,
+                   help=f"draft training steps (default {d.train_steps}; {SMOLLM2_DEFAULTS['train_steps']} for smollm2)")
     p.add_argument("--train_bs", type=int, default=d.train_bs)
     p.add_argument("--train_seq_len", type=int, default=d.train_seq_len)
     p.add_argument("--train_lr", type=float, default=None, help=f"default {d.train_lr} ({SMOLLM2_DEFAULTS['train_lr']} "
@@ -496,14 +500,13 @@ def config_from_args(args) -> QuickstartConfig:
     """QuickstartConfig from parsed CLI arguments (SmolLM2's defaults where an argument was not given)."""
     d = QuickstartConfig()
     defaults: Dict[str, object] = dict(SMOLLM2_DEFAULTS) if args.base != "builtin" else {
-        "draft_vocab_size": d.draft_vocab_size, "train_lr": d.train_lr, "num_prompts": d.num_prompts,
-        "code_max_bytes": d.code_max_bytes}
+        "draft_vocab_size": d.draft_vocab_size, "train_steps": d.train_steps, "train_lr": d.train_lr,
+        "num_prompts": d.num_prompts, "code_max_bytes": d.code_max_bytes}
     picked = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
     extra = {"benchmark": shlex.split(args.benchmark_args)} if args.benchmark_args else {}
     return QuickstartConfig(preset=args.preset, base=args.base, gguf=args.gguf, seed=args.seed,
-                            cache_dir=args.cache_dir, stages=stages, train_steps=args.train_steps,
-                            train_bs=args.train_bs, train_seq_len=args.train_seq_len,
+                            cache_dir=args.cache_dir, stages=stages, train_bs=args.train_bs, train_seq_len=args.train_seq_len,
                             max_new_tokens=args.max_new_tokens, chat_prompts=args.chat_prompts,
                             chat_max_tokens=args.chat_max_tokens, extra=extra, **picked)  # type: ignore[arg-type]
 
