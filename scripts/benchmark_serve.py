@@ -43,6 +43,9 @@ def main(argv=None) -> int:
                    help="time to first token of a SHORT-token request sent --late-delay s into a LONG-token one, per "
                         "scheduler (in engine steps: the long request's median streaming gap)")
     p.add_argument("--late-delay", type=float, default=0.4)
+    p.add_argument("--late-after-tokens", type=int, default=None,
+                   help="--late: send the short request once the long one has streamed this many tokens (instead of "
+                        "--late-delay seconds: independent of the machine's speed)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nemo_spec.serve.benchmark import format_table, results_dict, run_benchmark
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
 
         parallel.initialize(1)
         res = late_request(a.checkpoint, a.late[0], a.late[1], a.late_delay, a.method, a.options, a.max_batch,
-                           a.schedulers.split(","))
+                           a.schedulers.split(","), after_tokens=a.late_after_tokens)
         print(format_late(res))
         if a.json:
             Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))

@@ -458,8 +458,8 @@ def test_benchmark_runs_drafts_of_other_models_side_by_side(llama):
                           hf=False, repeats=1, options=OPTS,
                           extra_models=[_spec(m, "peagle"), _spec(m, "dflash"), _spec(m, "eagle3")])
     got = {(r["method"], r["batch_size"]): r for r in res["rows"]}
-    assert set(got) == {(k, b) for k in ("ar", "eagle", "peagle", "dflash", "eagle@3", "eagle_tree@3")
-                        for b in (1, 2)}
+    assert set(got) == {(k, b) for k in ("ar", "eagle", "peagle", "peagle_tree", "dflash", "dflash_tree", "eagle@3",
+                                         "eagle_tree@3") for b in (1, 2)}
     assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
     assert all(r["draft_forwards"] > 0 and r["draft_ms_per_step"] > 0 for k, r in got.items() if k[0] != "ar")
     assert "| nemo_spec | dflash | 1 |" in bench.to_markdown(res)

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,10 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
-async def _timed(client: Any, model: str, prompt: str, max_tokens: int) -> tuple:
-    """One streamed request: (tokens, ttft, gaps between content chunks per token)."""
+async def _timed(client: Any, model: str, prompt: str, max_tokens: int,
+                 reached: Optional[Tuple[int, "asyncio.Event"]] = None) -> tuple:
+    """One streamed request: (tokens, ttft, gaps between content chunks per token); ``reached`` = (n, event): set
+    the event once n content chunks have streamed."""
     t0 = time.perf_counter()
     ttft: Optional[float] = None
     last = t0
@@ -175,8 +177,12 @@ async def _timed(client: Any, model: str, prompt: str, max_tokens: int) -> tuple
             else:
                 gaps.append(now - last)
             last = now
+            if reached is not None and len(gaps) + 1 >= reached[0]:
+                reached[1].set()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+    if reached is not None:
+        reached[1].set()
     return tokens, ttft if ttft is not None else time.perf_counter() - t0, gaps
 
 
@@ -298,19 +304,24 @@ class LateResult:
     short_done_before_long_s: float  # how long before the long request's end the short one had finished
 
 
-async def _late(base_url: str, model: str, prompt: str, long_tokens: int, short_tokens: int, delay: float) -> tuple:
+async def _late(base_url: str, model: str, prompt: str, long_tokens: int, short_tokens: int, delay: float,
+                after_tokens: Optional[int] = None) -> tuple:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600)
     _, idle_ttft, _ = await _timed(client, model, prompt, short_tokens)
     t0 = time.perf_counter()
+    started = asyncio.Event()
 
     async def long_one() -> tuple:
-        out = await _timed(client, model, prompt, long_tokens)
+        out = await _timed(client, model, prompt, long_tokens, None if after_tokens is None else (after_tokens, started))
         return out, time.perf_counter() - t0
 
     async def short_one() -> tuple:
-        await asyncio.sleep(delay)
+        if after_tokens is None:
+            await asyncio.sleep(delay)
+        else:
+            await started.wait()
         out = await _timed(client, model, prompt, short_tokens)
         return out, time.perf_counter() - t0
 
@@ -326,8 +337,9 @@ def _run_late(*args: Any) -> tuple:
 def late_request(checkpoint: str, long_tokens: int = 250, short_tokens: int = 4, delay_s: float = 0.4,
                  method: str = "ar", options: Optional[Dict[str, Any]] = None, max_batch: int = 16,
                  schedulers: Sequence[str] = ("batch", "continuous"),
-                 prompt: str = DEFAULT_PROMPTS[0]) -> List[LateResult]:
-    """Per scheduler: a ``long_tokens`` request, and ``delay_s`` later a ``short_tokens`` one with free batch slots;
+                 prompt: str = DEFAULT_PROMPTS[0], after_tokens: Optional[int] = None) -> List[LateResult]:
+    """Per scheduler: a ``long_tokens`` request, and ``delay_s`` later (``after_tokens``: once the long one has
+    streamed that many tokens, whatever the machine's speed) a ``short_tokens`` one with free batch slots;
     the short one's time to first token against the idle server's and against the engine step time (the long
     request's median streaming gap). Served in-process; clients run in a spawned process."""
     results: List[LateResult] = []
@@ -335,7 +347,7 @@ def late_request(checkpoint: str, long_tokens: int = 250, short_tokens: int = 4,
         for sched in schedulers:
             with _served(pool, checkpoint, sched, method, options, max_batch, [prompt]) as url:
                 idle, late, step, before = pool.submit(_run_late, url, "bench", prompt, long_tokens, short_tokens,
-                                                       delay_s).result()
+                                                       delay_s, after_tokens).result()
                 per = (lambda t: t / step) if step > 0 else (lambda t: float("nan"))
                 results.append(LateResult(sched, long_tokens, short_tokens, delay_s, idle, late, step, per(late),
                                           per(late - idle), before))
