@@ -59,9 +59,7 @@ def make_proposer(method: str, model: torch.nn.Module, engine: Engine, draft_mod
         if draft_model is None:
             raise SamplingError("method 'draft_model' needs draft_model= (a smaller GPT with the same vocabulary)")
         return DraftModelProposer(draft_model, options, engine.cfg)
-    if method in ("eagle", "eagle_tree"):
-        return EagleProposer(model, options, tree=method == "eagle_tree")
-    if method in ("peagle_tree", "dflash_tree"):
+    if method.endswith("_tree"):  # eagle_tree, peagle_tree, dflash_tree: the method's proposer, drafting a tree
         return PROPOSERS[method](model, options, tree=True)
     return PROPOSERS[method](model, options)
 

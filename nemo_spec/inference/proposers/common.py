@@ -148,25 +148,51 @@ class StaticTree:
         if n == 0:
             return DraftTree.empty(b, dev)
         key = (n, dev)
-        if key not in self._dev:
+        if key not in self._dev:  # the cut tree's device tables and its most children of one node, built once
+            kids = [0] * (n + 1)
+            for p in self.parents[:n]:
+                kids[p] += 1
             self._dev[key] = (tensor(self.depths[:n], dev), tensor(self.ranks[:n], dev),
-                              tensor(self.parents[:n], dev))
-        depths, ranks, parents = self._dev[key]
+                              tensor(self.parents[:n], dev), max(kids))
+        depths, ranks, parents, max_children = self._dev[key]
         top = logits.topk(self.kmax, -1).indices  # [b, D, kmax]
         tokens = top[:, depths, ranks]  # [b, n]
         if to_ids is not None:
             tokens = to_ids[tokens]
-        kids = [0] * (n + 1)
-        for p in self.parents[:n]:
-            kids[p] += 1
         return DraftTree(tokens.contiguous(), parents[None].expand(b, -1).contiguous(),
                          torch.ones(b, n, dtype=torch.bool, device=dev), max_depth=len(self.choices[n - 1]),
-                         max_children=max(kids), sizes=[n] * b)
+                         max_children=max_children, sizes=[n] * b)
 
 
-def parallel_tree(options: Dict[str, Any], depth: int, vocab: int) -> StaticTree:
-    """The static tree of a one-forward draft of ``depth`` positions: option ``tree_choices`` (rank paths) or
-    :func:`~nemo_spec.inference.trees.parallel_tree_choices`."""
-    choices = options.get("tree_choices")
-    return StaticTree(parallel_tree_choices(depth) if choices is None else choices, depth, vocab, "tree_choices",
-                      "draft positions (num_draft_tokens)")
+class ParallelLevels:
+    """Speculation levels of a proposer whose draft predicts ``depth`` positions in one forward (P-EAGLE, DFlash):
+    a chain of 0 .. depth tokens, or after :meth:`use_tree` (method ``<name>_tree``) a :class:`StaticTree` of the
+    per-position top-k cut at each depth."""
+
+    name: str
+    depth: int
+    lookahead: int
+    tree: Optional[StaticTree] = None
+
+    def use_tree(self, options: Dict[str, Any], vocab: int) -> None:
+        """Draft the static tree of option ``tree_choices`` (default
+        :func:`~nemo_spec.inference.trees.parallel_tree_choices`) instead of the chain."""
+        choices = options.get("tree_choices")
+        self.tree = StaticTree(parallel_tree_choices(self.depth) if choices is None else choices, self.depth, vocab,
+                               "tree_choices", "draft positions (num_draft_tokens)")
+        self.name = f"{self.name}_tree"
+        self.lookahead = len(self.tree.choices)
+
+    @property
+    def levels(self) -> List[int]:
+        """0 .. depth draft tokens (tree: 0, then the tree cut at each depth)."""
+        return self.tree.levels if self.tree is not None else chain_levels(self.depth)
+
+    def level_depth(self, level: int) -> int:
+        """Deepest draft node at ``level``: the positions the one forward must predict."""
+        i = level_index(self.levels, level)
+        return i if self.tree is not None else self.levels[i]
+
+    def level_nodes(self, level: Optional[int]) -> int:
+        """Draft nodes at ``level`` (None: the top one)."""
+        return self.levels[level_index(self.levels, level)]

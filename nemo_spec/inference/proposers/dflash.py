@@ -22,21 +22,21 @@ deterministic siblings are verified losslessly by the same rule.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import chain_levels, level_index, opt_int, parallel_tree, swap_rows
+from nemo_spec.inference.proposers.common import ParallelLevels, opt_int, swap_rows
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.models import model_config
 
 log = logging.getLogger(__name__)
 
 
-class DFlashProposer(SpecModelProposer):
+class DFlashProposer(ParallelLevels, SpecModelProposer):
     """Block drafting with a DFlash draft: a chain of up to ``num_draft_tokens`` (default B - 1) per forward."""
 
     name = "dflash"
@@ -50,29 +50,17 @@ class DFlashProposer(SpecModelProposer):
             log.warning("dflash: num_draft_tokens=%d exceeds the %d mask slots the draft was trained with (block "
                         "size %d); the extra slots are untrained (output stays exact, acceptance drops)",
                         self.depth, trained, trained + 1)
-        self.tree = parallel_tree(options, self.depth, model_config(self.spec).vocab_size) if tree else None
+        self.lookahead = self.depth
         if tree:
-            self.name = "dflash_tree"
-        self.lookahead = len(self.tree.choices) if tree else self.depth
+            self.use_tree(options, model_config(self.spec).vocab_size)
         self.extra_slots = self.depth + 2  # a verified path (<= depth + 1 positions) is injected past the end
         self.mask_token_id = int(draft.mask_token_id)
         self.max_pos = model_config(self.spec).max_position_embeddings
         self.last_tok: Optional[torch.Tensor] = None
 
-    @property
-    def levels(self) -> List[int]:
-        """0 .. num_draft_tokens draft tokens (tree: the tree cut at each depth); every level but 0 costs one
-        draft forward."""
-        return self.tree.levels if self.tree is not None else chain_levels(self.depth)
-
-    def level_depth(self, level: int) -> int:
-        """Deepest draft node at ``level``."""
-        i = level_index(self.levels, level)
-        return i if self.tree is not None else self.levels[i]
-
     def draft_forwards(self, level: int) -> int:
         """One block forward per step (none at level 0)."""
-        return 1 if self.levels[level_index(self.levels, level)] > 0 else 0
+        return 1 if self.level_nodes(level) > 0 else 0
 
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
@@ -132,7 +120,7 @@ class DFlashProposer(SpecModelProposer):
         _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx)
         st.count_draft(1)
         if self.tree is not None:
-            return self.tree.draft(logits[:, 1:], self.levels[level_index(self.levels, level)])
+            return self.tree.draft(logits[:, 1:], self.level_nodes(level))
         tokens = logits[:, 1:].argmax(-1)
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool))
 

@@ -19,7 +19,7 @@ from nemo_spec.inference.trees import block_context, pad_chains, select_tree
 class EagleProposer(SpecModelProposer):
     """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
 
-    def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool) -> None:
+    def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         self.name = "eagle_tree" if tree else "eagle"
         super().__init__(model, ("eagle1", "eagle3"))
         self.tree = tree

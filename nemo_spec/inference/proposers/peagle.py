@@ -28,14 +28,13 @@ from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import (chain_block, chain_levels, choose, level_index, opt_int,
-                                                  parallel_tree, stack_q, swap_rows)
+from nemo_spec.inference.proposers.common import ParallelLevels, chain_block, choose, opt_int, stack_q, swap_rows
 from nemo_spec.inference.transfer import tensor
 
 log = logging.getLogger(__name__)
 
 
-class PEagleProposer(SpecModelProposer):
+class PEagleProposer(ParallelLevels, SpecModelProposer):
     """Parallel drafting with a P-EAGLE draft: a chain of up to ``num_draft_tokens`` tokens per forward."""
 
     name = "peagle"
@@ -48,29 +47,18 @@ class PEagleProposer(SpecModelProposer):
         if self.depth > trained:
             log.warning("peagle: num_draft_tokens=%d exceeds the %d depths the draft was trained for; the deeper "
                         "slots are untrained (output stays exact, acceptance drops)", self.depth, trained)
+        self.lookahead = self.depth
         self.extra_slots = self.depth + 2  # pending pairs (<= depth + 1) and the mask slots past the committed end
         self.mask_token_id = int(draft.mask_token_id)
         vd = int(self.spec.d2t.numel())
         self.d2t_ids = self.spec.draft_to_base_ids(torch.arange(vd, device=self.spec.d2t.device)).long()
         self.V = model_config(self.spec).vocab_size
-        self.tree = parallel_tree(options, self.depth, vd) if tree else None
         if tree:
-            self.name = "peagle_tree"
-        self.lookahead = len(self.tree.choices) if tree else self.depth
+            self.use_tree(options, vd)
         self.max_pos = model_config(self.spec).max_position_embeddings
         self.pend_feat: Optional[torch.Tensor] = None
         self.pend_tok: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
-
-    @property
-    def levels(self) -> List[int]:
-        """0 .. num_draft_tokens draft tokens (tree: the tree cut at each depth); every level costs one forward."""
-        return self.tree.levels if self.tree is not None else chain_levels(self.depth)
-
-    def level_depth(self, level: int) -> int:
-        """Deepest draft node at ``level``."""
-        i = level_index(self.levels, level)
-        return i if self.tree is not None else self.levels[i]
 
     def draft_forwards(self, level: int) -> int:
         """One forward per step, whatever the level (level 0 still catches the draft up)."""
@@ -180,7 +168,7 @@ class PEagleProposer(SpecModelProposer):
         at = (npend - 1).clamp(min=0) + torch.arange(k, device=dev)[None]  # [b, k]: bonus pair, then masks
         lg = logits[rows, at]  # [b, k, Vd]
         if self.tree is not None:
-            return self.tree.draft(lg, self.levels[level_index(self.levels, level)], self.d2t_ids)
+            return self.tree.draft(lg, self.level_nodes(level), self.d2t_ids)
         greedy = [p.greedy for p in st.params]
         drafts, qs = [], []
         for d in range(k):
