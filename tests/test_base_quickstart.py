@@ -47,13 +47,14 @@ def test_cli_reports_missing_stage(monkeypatch, tmp_path, capsys):
 
 
 def test_stage_cache_is_keyed_by_settings_chained_through_the_stages(tmp_path):
+    """distill reads data: its key chains data's (stages by the names run_quickstart gives them)."""
     res = Q.QuickstartResult(work_dir=tmp_path)
     out_a, out_b = tmp_path / "a", tmp_path / "b"
 
     def run(settings_a, settings_b):
         res.fingerprints.clear()
         done = []
-        for stage, settings, out in (("a", settings_a, out_a), ("b", settings_b, out_b)):
+        for stage, settings, out in (("data", settings_a, out_a), ("distill", settings_b, out_b)):
             if not Q._reuse_or_reset(res, stage, settings, [out], (out / "done").is_file):
                 out.mkdir(exist_ok=True)
                 (out / "partial").write_text("x")
@@ -61,15 +62,15 @@ def test_stage_cache_is_keyed_by_settings_chained_through_the_stages(tmp_path):
                 done.append(stage)
         return done
 
-    assert run(1, 1) == ["a", "b"]
+    assert run(1, 1) == ["data", "distill"]
     assert run(1, 1) == []                    # same settings: both reused
-    assert run(1, 2) == ["b"]                 # only b changed
-    assert run(2, 2) == ["a", "b"]            # a changed: b's inputs changed too
+    assert run(1, 2) == ["distill"]           # only distill changed
+    assert run(2, 2) == ["data", "distill"]   # data changed: distill reads it
     assert (out_b / "done").read_text() == "2"
-    (out_b / "done").unlink()                 # b interrupted after a partial write, same settings:
-    assert not Q._reuse_or_reset(res, "b", 2, [out_b], (out_b / "done").is_file)
+    (out_b / "done").unlink()                 # distill interrupted after a partial write, same settings:
+    assert not Q._reuse_or_reset(res, "distill", 2, [out_b], (out_b / "done").is_file)
     assert (out_b / "partial").is_file()      # ... its partial output is kept (resume)
-    assert not Q._reuse_or_reset(res, "b", 3, [out_b], (out_b / "done").is_file)
+    assert not Q._reuse_or_reset(res, "distill", 3, [out_b], (out_b / "done").is_file)
     assert not out_b.exists()                 # other settings: the stale output is removed first
 
 

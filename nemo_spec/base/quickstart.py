@@ -144,13 +144,9 @@ class QuickstartResult:
 
 
 def _fingerprint(res: "QuickstartResult", stage: str, settings: object) -> str:
-    """Chain this stage's settings onto the fingerprints of the stages whose outputs it reads (``STAGE_INPUTS``;
-    a stage not listed there: the stage run before it)."""
+    """Chain this stage's settings onto the fingerprints of the stages whose outputs it reads (``STAGE_INPUTS``)."""
     res.fingerprints.pop(stage, None)
-    if stage in STAGE_INPUTS:
-        prev: object = [res.fingerprints.get(s, "") for s in STAGE_INPUTS[stage]]
-    else:
-        prev = res.fingerprints[list(res.fingerprints)[-1]] if res.fingerprints else ""
+    prev = [res.fingerprints.get(s, "") for s in STAGE_INPUTS[stage]]
     blob = json.dumps([prev, stage, settings], sort_keys=True, default=str)
     fp = hashlib.sha256(blob.encode()).hexdigest()[:16]
     res.fingerprints[stage] = fp
