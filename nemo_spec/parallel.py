@@ -157,6 +157,33 @@ def drop_inference_buffers() -> None:
         del store[key]
 
 
+def tp_partial_grad_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """Trainable parameters that every TP rank holds in full but whose gradient each rank computes only in part:
+    the per-head q/k norms (``q_layernorm`` / ``k_layernorm``; each rank normalises only its own heads with the one
+    shared weight). megatron-core sums exactly these over the TP group before the optimizer step
+    (distributed/finalize_model_grads.py:353-356 at 0.16.1, by name); every other replicated parameter sees the
+    same full input on each TP rank and so gets the same full gradient."""
+    return [p for n, p in module.named_parameters()
+            if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n)]
+
+
+def all_reduce_tp_partial_grads(module: torch.nn.Module) -> int:
+    """Sum the gradients of :func:`tp_partial_grad_params` over the tensor-parallel group (in place; one
+    coalesced all-reduce). Returns how many gradients were reduced; a no-op at TP=1."""
+    from megatron.core import parallel_state
+
+    if tp_size() <= 1:
+        return 0
+    grads = [p.grad for p in tp_partial_grad_params(module) if p.grad is not None]
+    if not grads:
+        return 0
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(r)
+    return len(grads)
+
+
 def is_rank_zero() -> bool:
     """True on global rank 0 (or without torch.distributed)."""
     return not dist.is_initialized() or dist.get_rank() == 0

@@ -13,6 +13,8 @@ ALG_KWARGS: Dict[str, dict] = {
     "eagle1": dict(algorithm="eagle1", num_eagle_layers=2),
     "eagle3": dict(algorithm="eagle3", num_eagle_layers=2, draft_vocab_size=48),
     "medusa": dict(algorithm="medusa", num_medusa_heads=3, num_medusa_layers=2),
+    "peagle": dict(algorithm="peagle", num_eagle_layers=2, draft_vocab_size=48, parallel_depth=3, mask_token_id=5),
+    "dflash": dict(algorithm="dflash", num_layers=2, block_size=4, target_layer_ids=[0, 2], mask_token_id=5),
 }
 
 

@@ -11,21 +11,43 @@ from nemo_spec.speculative import SpeculativeGPT
 from tests.helpers import ROOT, run_torchrun, tiny_llama
 from tests.speculative_utils import make_spec
 
-ALGS = ["eagle1", "eagle3", "medusa"]
+ALGS = ["eagle1", "eagle3", "medusa", "peagle", "dflash"]
 
 
 def _draft_logits(m, x):
+    """The draft's logits on ``x`` (gathered over TP): Medusa heads; DFlash's block anchored at the last token with
+    the earlier positions as context; otherwise one draft pass with the base features."""
     with torch.no_grad():
         out = m.base_forward(x)
         if m.algorithm == "medusa":
             return m.medusa_logits(out.hidden)
-        return m.draft_step(x, m.fuse(m.base_features(out)))[1]
+        feats = m.fuse(m.base_features(out))
+        if m.algorithm == "dflash":
+            from nemo_spec.speculative.dflash import DFlashContext
+
+            d, (b, p), B = m.eagle_module, (x.shape[0], x.shape[1] - 1), m.spec_config.block_size
+            tok = torch.full((b, B), d.mask_token_id, dtype=torch.long)
+            tok[:, 0] = x[:, p]
+            ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None].expand(b, B),
+                                target=feats[:, :p].transpose(0, 1), ctx_position_ids=torch.arange(p)[None].expand(b, p))
+            return d(m.gpt, tok, ctx)[1]
+        return m.draft_step(x, feats)[1]
+
+
+def _losses(m, x, mask=None, **kw):
+    """Training losses with the sampled objectives' draws (P-EAGLE COD, DFlash anchors) fixed by a seeded generator."""
+    return m.training_losses(x, mask, generator=torch.Generator().manual_seed(0), **kw)
+
+
+def _outputs(res):
+    """The per-element draft outputs a loss dict carries: step logits, or DFlash's block hidden states."""
+    return [t.detach() for t in res["step_logits"]] if "step_logits" in res else [res["hidden"].detach()]
 
 
 @pytest.mark.parametrize("alg", ALGS)
 def test_save_load_identical_outputs(alg, tmp_path):
     m = make_spec(tiny_llama(num_layers=4), alg)
-    if alg == "eagle3":
+    if alg in ("eagle3", "peagle"):
         m.set_draft_vocab(torch.arange(96, dtype=torch.float) % 7, reinit_head=False)
     x = torch.randint(0, 96, (2, 9))
     path = save_checkpoint(m, tmp_path / "ck")
@@ -36,7 +58,7 @@ def test_save_load_identical_outputs(alg, tmp_path):
     assert torch.equal(_draft_logits(loaded, x), _draft_logits(m, x))
     assert torch.equal(loaded.d2t, m.d2t) and torch.equal(loaded.draft_vocab_mask(), m.draft_vocab_mask())
     with torch.no_grad():
-        a, b = loaded.training_losses(x)["loss"], m.training_losses(x)["loss"]
+        a, b = _losses(loaded, x)["loss"], _losses(m, x)["loss"]
     assert torch.equal(a, b)
 
 
@@ -47,14 +69,14 @@ def test_tp2_matches_tp1_and_tp2_checkpoint_loads_at_tp1(tmp_path):
     cases, models = {}, {}
     for alg in ALGS:
         m = make_spec(tiny_llama(num_layers=4), alg)
-        if alg == "eagle3":
+        if alg in ("eagle3", "peagle"):
             m.set_draft_vocab(torch.arange(96, dtype=torch.float).flip(0) % 11, reinit_head=False)
-        res = m.training_losses(x, mask, return_logits=True)
+        res = _losses(m, x, mask, return_logits=True)
         res["loss"].backward()
         cases[alg] = {
             "config": m.model_config.to_dict(), "spec": m.spec_config.to_dict(),
             "state_dict": {k: v for k, v in m.state_dict().items() if is_tensor_entry(k, v)},
-            "step_logits": [t.detach() for t in res["step_logits"]], "loss": float(res["loss"].detach()),
+            "outputs": _outputs(res), "loss": float(res["loss"].detach()),
             "grads": {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
             "num_draft_params": m.num_draft_parameters(), "draft_logits": _draft_logits(m, x),
         }

@@ -3,9 +3,12 @@
 * Single process by default; under ``torchrun`` it initialises torch.distributed and megatron ``parallel_state``
   via :func:`nemo_spec.parallel.initialize` (tensor-parallel size from the config; DP = world / TP).
 * Each process holds one model replica shard (no DDP wrapper). After the last micro-batch of an optimizer step the
-  gradients of trainable parameters are averaged over megatron's data-parallel group only; TP-sharded parameters
-  are never averaged across TP ranks (every TP rank already holds the gradient of its own shard, and replicated
-  parameters get identical gradients on every TP rank because their inputs are identical).
+  gradients of trainable parameters are averaged over megatron's data-parallel group; TP-sharded parameters
+  are never averaged across TP ranks (every TP rank already holds the gradient of its own shard, and most
+  replicated parameters get identical gradients on every TP rank because their inputs are identical). The
+  exception, per-head q/k norm weights (DFlash's Qwen3-style layers), whose gradient each TP rank holds only for
+  its own heads, is first summed over TP, as megatron-core's ``finalize_model_grads`` does
+  (:func:`nemo_spec.parallel.all_reduce_tp_partial_grads`).
 * Checkpoints are Megatron distributed (``torch_dist``) checkpoint directories ``<name>/``: the trainable tensors
   (draft parameters + buffers, taken from the model's ``sharded_state_dict()`` so TP-sharded ones keep their real
   sharding) and the optimizer's per-parameter state (Adam ``exp_avg``/``exp_avg_sq``, sharded like their parameter)
@@ -137,7 +140,11 @@ class MegatronStrategy(SingleDeviceStrategy):
 
     # ---- gradients ----------------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """Average trainable-parameter gradients over the data-parallel group (never over TP)."""
+        """Sum the TP-partial gradients (q/k norms) over TP, then average trainable-parameter gradients over the
+        data-parallel group."""
+        from nemo_spec.parallel import all_reduce_tp_partial_grads
+
+        all_reduce_tp_partial_grads(self.lightning_module)
         rank, size = dp_rank_size()
         if size == 1:
             return

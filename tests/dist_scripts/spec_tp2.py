@@ -1,6 +1,6 @@
-"""Under torchrun (2 procs): TP=2 speculative models loaded from TP=1 weights reproduce TP=1 draft logits, losses
-and (gathered) draft gradients; a TP=2 save_checkpoint reloads identically at TP=2 (and is checked at TP=1 by the
-parent test)."""
+"""Under torchrun (2 procs): TP=2 speculative models (every algorithm) loaded from TP=1 weights reproduce TP=1 draft
+logits, per-element outputs, losses and (gathered) draft gradients, with the sampled objectives' draws seeded alike;
+a TP=2 save_checkpoint reloads identically at TP=2 (and is checked at TP=1 by the parent test)."""
 import sys
 
 import torch
@@ -20,6 +20,10 @@ def main() -> None:
     from nemo_spec.config import ModelConfig, SpeculativeConfig
     from nemo_spec.models import build_gpt
     from nemo_spec.speculative import SpeculativeTransform
+    from tests.test_speculative_tp import _draft_logits, _losses as losses, _outputs
+
+    def _losses(m, x, mask):
+        return losses(m, x, mask, return_logits=True)
 
     blob = torch.load(sys.argv[1], weights_only=False)
     out_dir = sys.argv[2]
@@ -32,9 +36,12 @@ def main() -> None:
         model = SpeculativeTransform(config=spec)(build_gpt(cfg))
         load_full_state_dict(model, case["state_dict"], gated)
         x, mask = blob["input_ids"], blob["loss_mask"]
-        res = model.training_losses(x, mask, return_logits=True)
+        res = _losses(model, x, mask)
         res["loss"].backward()
-        for i, (a, b) in enumerate(zip(res["step_logits"], case["step_logits"])):
+        n_partial = parallel.all_reduce_tp_partial_grads(model)  # what the training strategy does before a step
+        assert n_partial == (2 * spec.num_eagle_layers if alg == "dflash" else 0), (alg, n_partial)
+        assert len(_outputs(res)) == len(case["outputs"])
+        for i, (a, b) in enumerate(zip(_outputs(res), case["outputs"])):
             err = (a.detach() - b).abs().max().item()
             assert a.shape == b.shape and err < 1e-4, (alg, i, err)
         loss = float(res["loss"].detach())
@@ -49,23 +56,17 @@ def main() -> None:
         assert all(p.grad is None for p in model.gpt.parameters())
         local = model.num_draft_parameters()
         assert local < case["num_draft_params"], (alg, local)  # sharded draft: less than the full count per rank
-        if alg == "eagle3":
+        if alg in ("eagle3", "peagle"):
             assert torch.equal(model.d2t, case["state_dict"]["eagle_module.d2t"])
             assert int(model.draft_vocab_mask().sum()) == model.draft_vocab_size
-        if alg in ("eagle1", "eagle3"):
-            with torch.no_grad():
-                feats = model.fuse(model.base_features(model.base_forward(x)))
-                logits = model.draft_step(x, feats)[1]
-        else:
-            with torch.no_grad():
-                logits = model.medusa_logits(model.base_forward(x).hidden)
+        logits = _draft_logits(model, x)
         assert (logits - case["draft_logits"]).abs().max().item() < 1e-4, alg
         path = save_checkpoint(model, f"{out_dir}/{alg}")
         reloaded = load_model(path, tp_size=2)
         with torch.no_grad():
-            again = reloaded.training_losses(x, mask, return_logits=True)
-        for a, b in zip(again["step_logits"], res["step_logits"]):
-            assert torch.equal(a, b.detach()), alg
+            again = _losses(reloaded, x, mask)
+        for a, b in zip(_outputs(again), _outputs(res)):
+            assert torch.equal(a, b), alg
         if rank == 0:
             print(f"SPEC_TP2_OK {alg} draft_params_rank0={local}")
     parallel.destroy()
