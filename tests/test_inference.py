@@ -1,4 +1,6 @@
 """Generation engine: greedy equality of every method with AR (batch 1 and ragged batch 4), caches, stops, errors."""
+import re
+
 import pytest
 import torch
 
@@ -35,12 +37,14 @@ def _noisy_copy(model, scale=0.002, seed=1):
     return d
 
 
+SPEC_KW = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
+           "peagle": {"draft_vocab_size": 64, "num_eagle_layers": 2, "parallel_depth": 3, "mask_token_id": 95},
+           "dflash": {"num_layers": 2, "block_size": 4, "target_layer_ids": [0], "mask_token_id": 95}}
+
+
 def _spec(model, alg):
-    kw = {"eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
-          "peagle": {"draft_vocab_size": 64, "num_eagle_layers": 2, "parallel_depth": 3, "mask_token_id": 95},
-          "dflash": {"num_layers": 2, "block_size": 4, "target_layer_ids": [0], "mask_token_id": 95}}.get(alg, {})
     torch.manual_seed(3)
-    spec = SpeculativeTransform(algorithm=alg, **kw)(_clone(model))
+    spec = SpeculativeTransform(algorithm=alg, **SPEC_KW.get(alg, {}))(_clone(model))
     if alg in ("eagle3", "peagle"):
         spec.set_draft_vocab(torch.arange(96, 0, -1).float())
     return spec.eval()
@@ -233,19 +237,23 @@ def test_bad_inputs_give_clear_errors(llama):
 
 
 @pytest.mark.slow
-def test_tp2_generation_equals_tp1(llama, tmp_path):
+def test_tp2_generation_equals_tp1(llama, trained, tmp_path):
+    """Every method at TP=2 gives the TP=1 tokens; the trained P-EAGLE / DFlash drafts accept drafts at TP=2 too."""
     from nemo_spec.checkpoint.tp import is_tensor_entry
     from tests.helpers import ROOT, run_torchrun
 
     m, ref = llama
     sd = lambda mod: {k: v for k, v in mod.state_dict().items() if is_tensor_entry(k, v)}  # noqa: E731
     draft = _noisy_copy(m)
-    spec_kw = {"eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3}}
-    specs = {alg: _spec(m, alg) for alg in spec_kw}
+    spec_kw = {"eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
+               "peagle": SPEC_KW["peagle"], "dflash": SPEC_KW["dflash"]}
+    specs = {alg: trained[alg] if alg in ("peagle", "dflash") else _spec(m, alg) for alg in spec_kw}
     sp = SamplingParams(max_new_tokens=8)
     refs = {}
     for method, kind in [("ar", None), ("prompt_lookup", None), ("draft_model", None), ("eagle", "eagle3"),
-                         ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa")]:
+                         ("eagle_tree", "eagle1"), ("eagle_tree", "eagle3"), ("medusa", "medusa"),
+                         ("peagle", "peagle"), ("peagle_tree", "peagle"), ("dflash", "dflash"),
+                         ("dflash_tree", "dflash")]:
         model = specs.get(kind, m)
         refs[(method, kind)] = [o.tokens for o in generate(model, PROMPTS, sp, method=method, draft_model=draft,
                                                             options=OPTS)]
@@ -256,7 +264,10 @@ def test_tp2_generation_equals_tp1(llama, tmp_path):
     path = tmp_path / "gen.pt"
     torch.save(blob, path)
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "gen_tp.py", [path], timeout=300)
-    assert "TP2_GEN_OK 7" in out
+    assert f"TP2_GEN_OK {len(refs)}" in out
+    for method in ("peagle", "peagle_tree", "dflash", "dflash_tree"):
+        accepted = re.search(rf"TP2_ACCEPTED {method} (\d+)", out)
+        assert accepted and int(accepted.group(1)) >= 4, (method, out[-2000:])
 
 
 @pytest.fixture(scope="module")

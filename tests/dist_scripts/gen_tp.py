@@ -1,4 +1,5 @@
-"""Under torchrun (2 procs): greedy generation at TP=2 gives the TP=1 tokens for every method."""
+"""Under torchrun (2 procs): greedy generation at TP=2 gives the TP=1 tokens for every method (and prints how many
+drafted tokens each accepted)."""
 import sys
 
 import torch
@@ -30,9 +31,12 @@ def main() -> None:
     sp = SamplingParams(max_new_tokens=blob["max_new"])
     for (method, kind), ref in blob["ref"].items():
         model = specs[kind] if kind in specs else target
-        got = [o.tokens for o in generate(model, blob["prompts"], sp, method=method, draft_model=draft,
-                                          options=blob["options"])]
+        outs = generate(model, blob["prompts"], sp, method=method, draft_model=draft, options=blob["options"])
+        got = [o.tokens for o in outs]
         assert got == ref, (method, kind, got, ref)
+        accepted = sum(n * c for o in outs for n, c in enumerate(o.stats["accept_hist"]))
+        if torch.distributed.get_rank() == 0:
+            print(f"TP2_ACCEPTED {method} {accepted}")
     if torch.distributed.get_rank() == 0:
         print(f"TP2_GEN_OK {len(blob['ref'])}")
     parallel.destroy()
