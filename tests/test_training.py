@@ -17,9 +17,9 @@ from nemo_spec.models import build_gpt
 from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.training import (OptimConfig, SpeculativeLightningModule, TrainCheckpointError, TrainerConfig,
                                 build_trainer, train, train_config_from_dict, warmup_cosine)
-from nemo_spec.training.callbacks import measure_tau
 from tests.helpers import ROOT, tiny_llama
-from tests.train_utils import small_train_config, synthetic_chats, tiny_tokenizer, train_tiny_base
+from tests.train_utils import (parallel_draft_config, small_train_config, synthetic_chats, tiny_tokenizer,
+                               train_tiny_base)
 
 
 @pytest.fixture(scope="module")
@@ -425,6 +425,29 @@ def test_torchrun_tp2_and_dp2_training(base, tmp_path):
     assert dp2.keys() == single.keys()
     for k in dp2:
         assert torch.allclose(dp2[k], single[k], atol=1e-5, rtol=1e-4), (k, (dp2[k] - single[k]).abs().max())
+
+
+@pytest.mark.slow
+def test_torchrun_parallel_drafts_tp2_equal_tp1(base, tmp_path):
+    """P-EAGLE and DFlash at TP=2 through the recipe (checkpoint, exact resume, tau validation; every replicated
+    weight -- DFlash's q/k norms included -- the same on both ranks) end where one process at TP=1 ends; DP=2 runs."""
+    from nemo_spec.checkpoint import load_model, read_checkpoint_config
+    from tests.helpers import run_torchrun
+
+    model_path, data = base
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "train_parallel_drafts_tp2.py", [model_path, data, tmp_path],
+                       timeout=900)
+    for alg in ("peagle", "dflash"):
+        assert f"PARALLEL_DRAFT_TP2_OK {alg}" in out, out[-2000:]
+        final = tmp_path / f"{alg}_tp2" / "final"
+        assert read_checkpoint_config(final)["tp_size_saved"] == 2
+        got = load_model(final).draft.state_dict()
+        single = train(parallel_draft_config(tmp_path / f"{alg}_tp1", alg, model_path, data, 4),
+                       save_final=False).module.model.draft.state_dict()
+        keys = [k for k, v in single.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        assert keys and set(keys) <= set(got)
+        for k in keys:
+            assert torch.allclose(got[k], single[k], atol=1e-5, rtol=1e-4), (alg, k, (got[k] - single[k]).abs().max())
 
 
 # ---- the EAGLE-3 loss equals the reference formula (shifted full tensors, autograd soft CE) ----------------------

@@ -73,6 +73,21 @@ def small_train_config(run_dir: Path, algorithm: str = "eagle3", steps: int = 20
                        trainer=TrainerConfig(**t), optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2))
 
 
+def parallel_draft_config(run_dir, algorithm, model_path, data, steps, **trainer_kw):
+    """P-EAGLE (2 layers, 3 depths) / DFlash (2 layers over the base's first layer, blocks of 4, 6 sampled anchors)
+    for a few steps: checkpoint every 2 steps, resume "auto", a tau validation at step 4 by real decoding."""
+    c = small_train_config(run_dir, algorithm, steps=steps, global_batch_size=4, ckpt_every_n_steps=2,
+                           val_check_interval=4, acceptance_prompts=2, acceptance_depth=3, acceptance_new_tokens=8,
+                           **trainer_kw)
+    c.trainer.train_bs = 2
+    c.model_path, c.data.path, c.resume, c.optim.lr = str(model_path), str(data), "auto", 1e-2
+    if algorithm == "peagle":
+        c.spec.num_eagle_layers, c.spec.parallel_depth = 2, 3
+    else:
+        c.spec.num_eagle_layers, c.spec.block_size, c.spec.target_layer_ids, c.spec.num_anchors = 2, 4, [0], 6
+    return c
+
+
 def train_tiny_base(out_dir: Path, steps: int = 40) -> Path:
     """Train a tiny Llama LM on the synthetic chats (loss on all tokens); save it with its tokenizer; return path."""
     from nemo_spec.models import build_gpt
