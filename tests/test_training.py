@@ -430,24 +430,31 @@ def test_torchrun_tp2_and_dp2_training(base, tmp_path):
 @pytest.mark.slow
 def test_torchrun_parallel_drafts_tp2_equal_tp1(base, tmp_path):
     """P-EAGLE and DFlash at TP=2 through the recipe (checkpoint, exact resume, tau validation; every replicated
-    weight -- DFlash's q/k norms included -- the same on both ranks) end where one process at TP=1 ends; DP=2 runs."""
+    weight -- DFlash's q/k norms included -- the same on both ranks) end where one process at TP=1 ends, online and
+    offline (base states precomputed at TP=2, trained from at TP=2 and at TP=1); DP=2 replicas stay identical."""
     from nemo_spec.checkpoint import load_model, read_checkpoint_config
     from tests.helpers import run_torchrun
 
     model_path, data = base
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "train_parallel_drafts_tp2.py", [model_path, data, tmp_path],
                        timeout=900)
-    for alg in ("peagle", "dflash"):
-        assert f"PARALLEL_DRAFT_TP2_OK {alg}" in out, out[-2000:]
-        final = tmp_path / f"{alg}_tp2" / "final"
+
+    def same(final, single, alg):
         assert read_checkpoint_config(final)["tp_size_saved"] == 2
         got = load_model(final).draft.state_dict()
-        single = train(parallel_draft_config(tmp_path / f"{alg}_tp1", alg, model_path, data, 4),
-                       save_final=False).module.model.draft.state_dict()
         keys = [k for k, v in single.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
         assert keys and set(keys) <= set(got)
         for k in keys:
             assert torch.allclose(got[k], single[k], atol=1e-5, rtol=1e-4), (alg, k, (got[k] - single[k]).abs().max())
+
+    for alg in ("peagle", "dflash"):
+        assert f"PARALLEL_DRAFT_TP2_OK {alg}" in out, out[-2000:]
+        single = train(parallel_draft_config(tmp_path / f"{alg}_tp1", alg, model_path, data, 4), save_final=False)
+        same(tmp_path / f"{alg}_tp2" / "final", single.module.model.draft.state_dict(), alg)
+        off = parallel_draft_config(tmp_path / f"{alg}_offline_tp1", alg, model_path, data, 2)
+        off.offline, off.data.offline_dir = True, str(tmp_path / f"{alg}_states")  # the states the TP=2 run stored
+        single = train(off, save_final=False)
+        same(tmp_path / f"{alg}_offline_tp2" / "final", single.module.model.draft.state_dict(), alg)
 
 
 # ---- the EAGLE-3 loss equals the reference formula (shifted full tensors, autograd soft CE) ----------------------

@@ -81,6 +81,9 @@ def parallel_draft_config(run_dir, algorithm, model_path, data, steps, **trainer
                            **trainer_kw)
     c.trainer.train_bs = 2
     c.model_path, c.data.path, c.resume, c.optim.lr = str(model_path), str(data), "auto", 1e-2
+    # Adam's eps 1e-8 gives gradient entries at float-noise level (~1e-9) full-size updates of either sign, so runs
+    # that differ only in reduction order (TP=2 vs TP=1) would drift apart at ~lr; 1e-4 keeps them together
+    c.optim.eps = 1e-4
     if algorithm == "peagle":
         c.spec.num_eagle_layers, c.spec.parallel_depth = 2, 3
     else:

@@ -1,6 +1,7 @@
 """Under torchrun (2 procs, gloo): P-EAGLE and DFlash draft training through the recipe at TP=2 -- 2 steps with a
 checkpoint, resumed to 4 with a tau validation by real decoding, the final checkpoint written at TP=2 (the parent
-compares it with an uninterrupted TP=1 run) -- and at TP=1 x DP=2 (replicas stay identical)."""
+compares it with an uninterrupted TP=1 run) --, at TP=1 x DP=2 (replicas stay identical), and offline at TP=2 from
+base states precomputed at TP=2 (the parent trains from the same states at TP=1)."""
 import sys
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def main():
             assert _same_across(ps.get_data_parallel_group(), p.detach()), f"{alg}: DP replica {name} diverged"
         assert torch.isfinite(dp.trainer.callback_metrics["train_loss"])
         del dp
+
+        off = parallel_draft_config(out / f"{alg}_offline_tp2", alg, model_path, data, 2, tensor_parallel_size=2)
+        off.offline, off.data.offline_dir = True, str(out / f"{alg}_states")  # precomputed here at TP=2
+        assert train(off, save_final=True).trainer.global_step == 2
         if dist.get_rank() == 0:
             print(f"PARALLEL_DRAFT_TP2_OK {alg}")
 
