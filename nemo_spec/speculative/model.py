@@ -1,6 +1,7 @@
 """SpeculativeGPT: a frozen megatron-core GPTModel plus a trainable draft (EAGLE-1, EAGLE-3 or Medusa)."""
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -60,6 +61,13 @@ class SpeculativeGPT(MegatronModule):
             self._aux_layers = list(self.eagle_module.target_layer_ids)
         else:
             self._aux_layers = []
+        if parallel.tp_partial_grad_params(self) and not getattr(self.config, "qk_layernorm", False):
+            # megatron-core's finalize_model_grads (NeMo's training loop) sums the q/k-norm gradients over TP only
+            # when the model chunk's config says qk_layernorm (distributed/finalize_model_grads.py:353-356 at
+            # 0.16.1); the draft's own q/k norms (DFlash) need that sum on a base without them. A copy: the
+            # base's config object stays as it was.
+            self.config = copy.copy(self.config)
+            self.config.qk_layernorm = True
         log.info("speculative draft %s attached: %d trainable parameters (base frozen, %d parameters)",
                  spec_config.algorithm, self.num_draft_parameters(), sum(p.numel() for p in gpt.parameters()))
 
