@@ -381,6 +381,30 @@ def test_readers_catch_broken_exports(exported, tmp_path):
     assert rows["vllm"].status == "mismatch" and "mask_hidden" in rows["vllm"].detail
 
 
+@pytest.mark.slow
+def test_tp2_import_and_export(exported, tmp_path):
+    """A TP=1 DFlash export imports exactly at TP=2 (its q/k norms and fused fc included), and the checkpoint
+    exported at TP=2 writes the same files as at TP=1."""
+    from nemo_spec.checkpoint import save_checkpoint
+    from nemo_spec.export import draft_state_dict, export_checkpoint
+    from nemo_spec.export.formats import load_tensors
+    from tests.helpers import ROOT, run_torchrun
+
+    m, d = exported
+    ckpt = save_checkpoint(m, tmp_path / "ckpt")
+    torch.save({"ckpt": str(ckpt), "export": str(d), "draft": draft_state_dict(m), "algorithm": "dflash",
+                "target": "sglang"}, tmp_path / "blob.pt")
+    assert "DRAFT_EXPORT_TP2_OK dflash" in run_torchrun(ROOT / "tests" / "dist_scripts" / "draft_export_tp2.py",
+                                                        [tmp_path], timeout=300)
+    exp1 = export_checkpoint(ckpt, tmp_path / "tp1", dtype="fp32", include_base=False, target="sglang")
+    files = sorted(p.relative_to(exp1) for p in exp1.rglob("*.safetensors"))
+    tp2 = tmp_path / "tp2"
+    assert files and files == sorted(p.relative_to(tp2) for p in tp2.rglob("*.safetensors"))
+    for f in files:
+        a, b = load_tensors(exp1 / f), load_tensors(tp2 / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+
+
 def test_import_draft_restores_the_draft(exported):
     from nemo_spec.export import import_draft
 

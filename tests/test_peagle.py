@@ -474,9 +474,10 @@ def test_tp2_import_and_export(exported_all, tmp_path):
     from tests.helpers import ROOT, run_torchrun
 
     m, d, ckpt = exported_all
-    torch.save({"ckpt": str(ckpt), "export": str(d), "draft": draft_state_dict(m)}, tmp_path / "blob.pt")
-    assert "PEAGLE_TP2_OK" in run_torchrun(ROOT / "tests" / "dist_scripts" / "peagle_export_tp2.py", [tmp_path],
-                                           timeout=300)
+    torch.save({"ckpt": str(ckpt), "export": str(d), "draft": draft_state_dict(m), "algorithm": "peagle",
+                "target": "vllm"}, tmp_path / "blob.pt")
+    assert "DRAFT_EXPORT_TP2_OK peagle" in run_torchrun(ROOT / "tests" / "dist_scripts" / "draft_export_tp2.py",
+                                                        [tmp_path], timeout=300)
     exp1 = export_checkpoint(ckpt, tmp_path / "tp1", dtype="fp32", include_base=False, target="vllm")
     a, b = load_tensors(exp1 / "draft" / "model.safetensors"), load_tensors(tmp_path / "tp2" / "draft" /
                                                                            "model.safetensors")
