@@ -21,8 +21,9 @@ def main():
     from nemo_spec.training import train
     from tests.train_utils import parallel_draft_config
 
-    model_path, data, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    inits, data, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     for alg in ("peagle", "dflash"):
+        model_path = inits / f"{alg}_init"  # the draft attached at TP=1 by the parent
         def tp2(steps):
             return parallel_draft_config(out / f"{alg}_tp2", alg, model_path, data, steps, tensor_parallel_size=2)
 
