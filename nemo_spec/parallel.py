@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -169,12 +170,13 @@ def tp_partial_grad_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
 
 def all_reduce_tp_partial_grads(module: torch.nn.Module) -> int:
     """Sum the gradients of :func:`tp_partial_grad_params` over the tensor-parallel group (in place; one
-    coalesced all-reduce). Returns how many gradients were reduced; a no-op at TP=1."""
+    coalesced all-reduce): ``main_grad`` where megatron's DDP keeps them (NeMo), else ``grad``. Returns how many
+    gradients were reduced; a no-op at TP=1."""
     from megatron.core import parallel_state
 
     if tp_size() <= 1:
         return 0
-    grads = [p.grad for p in tp_partial_grad_params(module) if p.grad is not None]
+    grads = [g for g in (getattr(p, "main_grad", p.grad) for p in tp_partial_grad_params(module)) if g is not None]
     if not grads:
         return 0
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -182,6 +184,35 @@ def all_reduce_tp_partial_grads(module: torch.nn.Module) -> int:
     for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(r)
     return len(grads)
+
+
+def sum_tp_partial_grads_in_finalize(pl_module: Any, spec: torch.nn.Module) -> bool:
+    """Make NeMo's gradient finalisation also sum the draft's q/k-norm gradients over TP (DFlash); called by
+    :class:`nemo_spec.integrations.nemo.SpeculativeTransform` when it attaches the draft.
+
+    megatron-core's ``finalize_model_grads`` sums q/k-norm gradients over TP only when the config it reads says
+    ``qk_layernorm`` (distributed/finalize_model_grads.py:353-356 at 0.16.1), and in NeMo's loop that config is
+    the LightningModule's own ``config`` (``get_model_config`` stops at it), which is the base's: for a base
+    without q/k norms each TP rank would keep only its own heads' part of the draft's q/k-norm gradients. NeMo
+    calls ``MegatronOptimizerModule.finalize_model_grads`` through the config's ``finalize_model_grads_func``
+    (nemo/lightning/pytorch/optim/megatron.py ``on_fit_start``), so that method is wrapped: after NeMo's
+    finalisation, :func:`all_reduce_tp_partial_grads` sums them (``main_grad``). Returns
+    whether it wrapped (nothing to do when the draft has no q/k norms or megatron already sums them)."""
+    optim = getattr(pl_module, "optim", None)
+    original = getattr(optim, "finalize_model_grads", None)
+    if (original is None or getattr(original, "_nemo_spec_qk_sum", False) or not tp_partial_grad_params(spec)
+            or getattr(getattr(pl_module, "config", None), "qk_layernorm", False)):
+        return False
+
+    @functools.wraps(original)
+    def finalize_model_grads(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        all_reduce_tp_partial_grads(spec)
+        return out
+
+    finalize_model_grads._nemo_spec_qk_sum = True  # type: ignore[attr-defined]
+    optim.finalize_model_grads = finalize_model_grads
+    return True
 
 
 def is_rank_zero() -> bool:

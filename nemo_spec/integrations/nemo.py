@@ -31,6 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised where NeMo is absent
         "nemo_spec.integrations.nemo needs NeMo 2's LLM collection (nemo_toolkit[llm] 2.7.x); see README "
         f"'NeMo 2' for the tested pins ({e})") from e
 
+from nemo_spec import parallel
 from nemo_spec.config import ConfigError
 from nemo_spec.models.gpt import unwrap_speculative
 from nemo_spec.speculative.transform import SpeculativeTransform as _BaseTransform
@@ -79,6 +80,8 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         if spec is None:
             raise ConfigError(f"no SpeculativeGPT inside {type(pl_module).__name__} after the transform")
         self._applied = True
+        if parallel.sum_tp_partial_grads_in_finalize(pl_module, spec):
+            log.info("nemo_spec: NeMo's finalize_model_grads also sums the draft's q/k-norm gradients over TP")
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         log.info("nemo_spec: %s draft attached to %s before DDP/optimizer: %d trainable parameters (draft only)",
                  spec.algorithm, type(pl_module).__name__, trainable)
@@ -107,3 +110,4 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached."""
         self._maybe_apply_transform(trainer)
+

@@ -62,10 +62,11 @@ class SpeculativeGPT(MegatronModule):
         else:
             self._aux_layers = []
         if parallel.tp_partial_grad_params(self) and not getattr(self.config, "qk_layernorm", False):
-            # megatron-core's finalize_model_grads (NeMo's training loop) sums the q/k-norm gradients over TP only
-            # when the model chunk's config says qk_layernorm (distributed/finalize_model_grads.py:353-356 at
-            # 0.16.1); the draft's own q/k norms (DFlash) need that sum on a base without them. A copy: the
-            # base's config object stays as it was.
+            # megatron-core's finalize_model_grads sums the q/k-norm gradients over TP only when the model
+            # chunk's config says qk_layernorm (distributed/finalize_model_grads.py:353-356 at 0.16.1); the
+            # draft's own q/k norms (DFlash) need that sum on a base without them, in a megatron loop that is
+            # handed this model. A copy: the base's config object stays as it was. (NeMo reads its
+            # LightningModule's config instead: integrations.nemo wraps its finalize_model_grads.)
             self.config = copy.copy(self.config)
             self.config.qk_layernorm = True
         log.info("speculative draft %s attached: %d trainable parameters (base frozen, %d parameters)",

@@ -44,8 +44,30 @@ def main() -> None:
             from megatron.core.utils import get_model_config
 
             model.ddp_config = DistributedDataParallelConfig()  # what megatron's DDP wrapper exposes
+            partial = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             assert get_model_config(model).qk_layernorm and not model.gpt.config.qk_layernorm
             _allreduce_non_tensor_model_parallel_grads([model], get_model_config(model))
+            # NeMo's shape: megatron reads the LightningModule's config (the base's: no qk_layernorm), the
+            # gradients sit in main_grad, and NeMo finalises through optim.finalize_model_grads, which the
+            # integration wraps (nemo_spec.parallel.sum_tp_partial_grads_in_finalize)
+            from types import SimpleNamespace
+
+            holder = SimpleNamespace(config=model.gpt.config, optim=SimpleNamespace(
+                finalize_model_grads=lambda chunks: _allreduce_non_tensor_model_parallel_grads(chunks,
+                                                                                            model.gpt.config)))
+            assert parallel.sum_tp_partial_grads_in_finalize(holder, model)
+            assert not parallel.sum_tp_partial_grads_in_finalize(holder, model)  # wrapped once
+            for n, p in model.named_parameters():
+                if n in partial:
+                    p.main_grad = partial[n].clone()
+            holder.optim.finalize_model_grads([model])
+            summed = 0
+            for n, p in model.named_parameters():
+                if n in partial:
+                    summed += not torch.equal(p.main_grad, partial[n])
+                    assert torch.equal(p.main_grad, p.grad), (alg, n)  # == megatron's rule with qk_layernorm
+                    del p.main_grad
+            assert summed == 2 * spec.num_eagle_layers, summed  # exactly the q and k norms of each layer
             del model.ddp_config
         else:  # the training strategy's reduction: nothing to sum for the other drafts
             assert parallel.all_reduce_tp_partial_grads(model) == 0, alg

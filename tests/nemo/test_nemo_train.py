@@ -220,3 +220,25 @@ def test_gpt_speculate_takes_a_nemo_checkpoint(first_run, tmp_path):
         want = foreign_forward(rec.spec.gpt, ids).logits
         got = gpt_forward(spec.gpt, ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dflash_q_k_norm_gradients_are_summed_in_nemos_finalize(tmp_path, monkeypatch):
+    """NeMo finalises gradients through ``optim.finalize_model_grads`` (called via the config's
+    ``finalize_model_grads_func``), where megatron sums q/k-norm gradients over TP only if the LightningModule's
+    config (the base's: no q/k norms here) says ``qk_layernorm``. For a DFlash draft (q/k-normed layers) the
+    integration wraps it: every optimizer step of NeMo's own loop then runs nemo_spec's TP sum on the draft
+    (a no-op at TP=1; the TP=2 arithmetic is checked in tests/dist_scripts/spec_tp2.py)."""
+    from nemo_spec import parallel
+
+    calls = []
+    orig = parallel.all_reduce_tp_partial_grads
+    monkeypatch.setattr(parallel, "all_reduce_tp_partial_grads", lambda m: calls.append(m) or orig(m))
+    ns, rec = build(tmp_path, 2)
+    eagle = "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)"
+    code = readme_snippet()
+    assert eagle in code
+    exec(compile(code.replace(eagle, "SpeculativeTransform(algorithm='dflash', num_layers=1, block_size=4, "
+                                     "target_layer_ids=[0], mask_token_id=0)"), "dflash snippet", "exec"), ns)
+    assert not ns["model"].config.qk_layernorm
+    assert len(calls) == 2 and all(m is rec.spec and m.algorithm == "dflash" for m in calls), calls
+    assert parallel.tp_partial_grad_params(rec.spec) and all(l == l for l in rec.losses)
