@@ -1,4 +1,4 @@
-"""SpeculativeGPT: a frozen megatron-core GPTModel plus a trainable draft (EAGLE-1, EAGLE-3 or Medusa)."""
+"""SpeculativeGPT: a frozen megatron-core GPTModel plus a trainable draft (EAGLE-1/3, Medusa, P-EAGLE, DFlash)."""
 from __future__ import annotations
 
 import copy
@@ -26,8 +26,8 @@ MEDUSA_PREFIX = "medusa_heads."
 
 
 class SpeculativeGPT(MegatronModule):
-    """Base GPTModel (``gpt``, frozen) + draft (``draft``: EagleDraft registered as ``eagle_module`` or
-    MedusaHeads registered as ``medusa_heads``).
+    """Base GPTModel (``gpt``, frozen) + draft (``draft``: EagleDraft / PEagleDraft / DFlashDraft registered as
+    ``eagle_module``, or MedusaHeads registered as ``medusa_heads``).
 
     State dict keys: ``gpt.<plain GPTModel key>`` and ``eagle_module.*`` / ``medusa_heads.*``. The distributed
     checkpoint (``sharded_state_dict``) stores the base under exactly the keys of a plain GPTModel checkpoint and
