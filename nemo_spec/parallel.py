@@ -158,6 +158,16 @@ def drop_inference_buffers() -> None:
         del store[key]
 
 
+def all_reduce_coalesced(tensors: List[torch.Tensor], group: Any, divide_by: int = 1) -> None:
+    """All-reduce (sum) ``tensors`` over ``group`` in one fp32 buffer, divide by ``divide_by``, write back in place."""
+    flat = torch._utils._flatten_dense_tensors([t.float() for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for t, r in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        t.copy_(r)
+
+
 def tp_partial_grad_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     """Trainable parameters that every TP rank holds in full but whose gradient each rank computes only in part:
     the per-head q/k norms (``q_layernorm`` / ``k_layernorm``; each rank normalises only its own heads with the one
@@ -177,12 +187,8 @@ def all_reduce_tp_partial_grads(module: torch.nn.Module) -> int:
     if tp_size() <= 1:
         return 0
     grads = [g for g in (getattr(p, "main_grad", p.grad) for p in tp_partial_grad_params(module)) if g is not None]
-    if not grads:
-        return 0
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(r)
+    if grads:
+        all_reduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
     return len(grads)
 
 

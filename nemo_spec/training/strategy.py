@@ -142,20 +142,15 @@ class MegatronStrategy(SingleDeviceStrategy):
     def reduce_gradients(self) -> None:
         """Sum the TP-partial gradients (q/k norms) over TP, then average trainable-parameter gradients over the
         data-parallel group."""
-        from nemo_spec.parallel import all_reduce_tp_partial_grads
+        from nemo_spec.parallel import all_reduce_coalesced, all_reduce_tp_partial_grads
 
         all_reduce_tp_partial_grads(self.lightning_module)
         rank, size = dp_rank_size()
         if size == 1:
             return
         grads = [p.grad for p in self.lightning_module.parameters() if p.requires_grad and p.grad is not None]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors([g.float() for g in grads])
-        dist.all_reduce(flat, group=_dp_group())
-        flat /= size
-        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(r)
+        if grads:
+            all_reduce_coalesced(grads, _dp_group(), divide_by=size)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the closure (last micro-batch), all-reduce gradients over DP, then clip and step."""
