@@ -12,6 +12,16 @@ from nemo_spec.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def same_across_ranks(group, t) -> bool:
+    """Under torch.distributed: whether ``t`` is bit-identical on every rank of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return all(torch.equal(parts[0], p) for p in parts[1:])
+
+
 def tiny_llama(**kw) -> ModelConfig:
     """A tiny Llama-style config with GQA (4 heads, 2 groups) that TP=2 can shard."""
     base = dict(vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,

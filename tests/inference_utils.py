@@ -11,6 +11,11 @@ from nemo_spec.inference.sampling import SamplingParams, warp_logits
 from nemo_spec.models import gpt_forward
 
 
+def accepted_drafts(out) -> int:
+    """Drafted tokens a generation output accepted in all (its ``accept_hist``: steps per accepted count)."""
+    return sum(n * c for n, c in enumerate(out.stats["accept_hist"]))
+
+
 def chi2_critical(df: int, z: float = 3.29) -> float:
     """Upper chi-square quantile (Wilson-Hilferty); z=3.29 is the one-sided 0.9995 normal quantile."""
     a = 2.0 / (9.0 * df)

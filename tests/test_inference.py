@@ -8,7 +8,7 @@ from nemo_spec.inference import SamplingError, SamplingParams, generate, get_eng
 from nemo_spec.models import build_gpt, model_config
 from nemo_spec.speculative import SpeculativeTransform
 from tests.helpers import tiny_gpt2, tiny_llama
-from tests.inference_utils import naive_greedy
+from tests.inference_utils import accepted_drafts, naive_greedy
 
 torch.set_num_threads(1)  # tiny models: threading only adds overhead on shared CPUs
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3], [40, 41, 42, 40, 41, 42, 40], [77]]
@@ -246,8 +246,7 @@ def test_tp2_generation_equals_tp1(llama, trained, tmp_path):
     m, ref = llama
     sd = lambda mod: {k: v for k, v in mod.state_dict().items() if is_tensor_entry(k, v)}  # noqa: E731
     draft = _noisy_copy(m)
-    spec_kw = {"eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "medusa": {"num_medusa_heads": 3},
-               "peagle": SPEC_KW["peagle"], "dflash": SPEC_KW["dflash"]}
+    spec_kw = {"eagle1": {}, **SPEC_KW}
     specs = {alg: trained[alg] if alg in ("peagle", "dflash") else _spec(m, alg) for alg in spec_kw}
     sp = SamplingParams(max_new_tokens=8)
     refs, accepted = {}, {}
@@ -259,7 +258,7 @@ def test_tp2_generation_equals_tp1(llama, trained, tmp_path):
         outs = generate(model, PROMPTS, sp, method=method, draft_model=draft, options=OPTS)
         refs[(method, kind)] = [o.tokens for o in outs]
         assert refs[(method, kind)] == [r[:8] for r in ref]
-        accepted[method] = sum(n * c for o in outs for n, c in enumerate(o.stats["accept_hist"]))
+        accepted[method] = sum(accepted_drafts(o) for o in outs)
     blob = {"config": model_config(m).to_dict(), "target": sd(m), "draft_config": model_config(draft).to_dict(),
             "draft": sd(draft), "spec_kw": spec_kw, "specs": {a: sd(s) for a, s in specs.items()},
             "prompts": PROMPTS, "options": OPTS, "max_new": 8, "ref": refs}
@@ -302,11 +301,11 @@ def test_trained_drafts_greedy_equals_ar_with_ragged_acceptance(llama, trained, 
     m, ref = llama
     outs = generate(trained[kind], PROMPTS, SamplingParams(max_new_tokens=10), method=method, options=OPTS)
     assert [o.tokens for o in outs] == ref
-    accepted = [sum(m * c for m, c in enumerate(o.stats["accept_hist"])) for o in outs]
+    accepted = [accepted_drafts(o) for o in outs]
     assert sum(accepted) >= 4, accepted  # drafts accepted: multi-token steps, cache compaction exercised
     assert len({tuple(o.stats["accept_hist"]) for o in outs}) > 1  # rows advanced by different amounts
     joined = _joining(trained[kind], method, None, ref, OPTS)  # with slots moving under accepted drafts
-    assert sum(sum(m * c for m, c in enumerate(o.stats["accept_hist"])) for o in joined) >= 4
+    assert sum(accepted_drafts(o) for o in joined) >= 4
 
 
 def test_medusa_custom_choices_and_tree_options(llama, trained):

@@ -16,5 +16,4 @@ def test_late_short_request_joins_the_running_batch_only_with_the_continuous_sch
     assert cont.late_ttft_s < old.late_ttft_s
     assert cont.step_s > 0 and old.step_s > 0
     table = format_late(list(res.values()))
-    print(table)
     assert "continuous" in table and "batch" in table

@@ -432,10 +432,8 @@ def test_torchrun_parallel_drafts_tp2_equal_tp1(base, tmp_path):
     """P-EAGLE and DFlash at TP=2 through the recipe (checkpoint, exact resume, tau validation; every replicated
     weight -- DFlash's q/k norms included -- the same on both ranks) end where one process at TP=1 ends, online and
     offline (base states precomputed at TP=2, trained from at TP=2 and at TP=1); DP=2 replicas stay identical."""
-    from nemo_spec.checkpoint import load_model, read_checkpoint_config
+    from nemo_spec.checkpoint import find_tokenizer_dir, load_model, read_checkpoint_config, save_checkpoint
     from tests.helpers import run_torchrun
-
-    from nemo_spec.checkpoint import find_tokenizer_dir, save_checkpoint
 
     model_path, data = base
     # each draft attached once at TP=1: both runs start from the same weights (a random init at TP=2 need not

@@ -10,6 +10,7 @@ from nemo_spec.config import ModelConfig
 from nemo_spec.inference import SamplingParams, generate
 from nemo_spec.models import build_gpt
 from nemo_spec.speculative import SpeculativeTransform
+from tests.inference_utils import accepted_drafts
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
         outs = generate(model, blob["prompts"], sp, method=method, draft_model=draft, options=blob["options"])
         got = [o.tokens for o in outs]
         assert got == ref, (method, kind, got, ref)
-        accepted = sum(n * c for o in outs for n, c in enumerate(o.stats["accept_hist"]))
+        accepted = sum(accepted_drafts(o) for o in outs)
         if torch.distributed.get_rank() == 0:
             print(f"TP2_ACCEPTED {method} {accepted}")
     if torch.distributed.get_rank() == 0:

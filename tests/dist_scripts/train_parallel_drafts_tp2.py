@@ -9,14 +9,10 @@ import torch
 import torch.distributed as dist
 
 
-def _same_across(group, t):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return all(torch.equal(parts[0], p) for p in parts[1:])
-
-
 def main():
     from megatron.core import parallel_state as ps
+
+    from tests.helpers import same_across_ranks
 
     from nemo_spec.training import train
     from tests.train_utils import parallel_draft_config
@@ -36,20 +32,20 @@ def main():
         for name, p in res.module.model.draft.named_parameters():
             if getattr(p, "tensor_model_parallel", False):
                 sharded += 1
-                assert not _same_across(group, p.detach()), f"{alg}: TP-sharded {name} identical on both ranks"
+                assert not same_across_ranks(group, p.detach()), f"{alg}: TP-sharded {name} identical on both ranks"
             else:  # incl. DFlash's per-head q/k norms, whose gradients each rank holds only in part
                 qk += "q_layernorm" in name or "k_layernorm" in name
-                assert _same_across(group, p.detach()), f"{alg}: replicated {name} diverged across TP ranks"
+                assert same_across_ranks(group, p.detach()), f"{alg}: replicated {name} diverged across TP ranks"
         assert sharded > 0 and (qk > 0) == (alg == "dflash"), (alg, sharded, qk)
         steps = [s for s, _ in res.tau_history]
         assert 4 in steps and all(t >= 1.0 for _, t in res.tau_history), (alg, res.tau_history)
-        assert _same_across(group, torch.tensor([t for _, t in res.tau_history]))
+        assert same_across_ranks(group, torch.tensor([t for _, t in res.tau_history]))
         del first, res
 
         dp = train(parallel_draft_config(out / f"{alg}_dp2", alg, model_path, data, 2), save_final=False)
         assert ps.get_tensor_model_parallel_world_size() == 1 and ps.get_data_parallel_world_size() == 2
         for name, p in dp.module.model.draft.named_parameters():
-            assert _same_across(ps.get_data_parallel_group(), p.detach()), f"{alg}: DP replica {name} diverged"
+            assert same_across_ranks(ps.get_data_parallel_group(), p.detach()), f"{alg}: DP replica {name} diverged"
         assert torch.isfinite(dp.trainer.callback_metrics["train_loss"])
         del dp
 

@@ -9,14 +9,10 @@ import torch
 import torch.distributed as dist
 
 
-def _same_across(group, t):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return all(torch.equal(parts[0], p) for p in parts[1:])
-
-
 def main():
     from megatron.core import parallel_state as ps
+
+    from tests.helpers import same_across_ranks
 
     from tests.train_utils import small_train_config
     from nemo_spec.training import train
@@ -39,13 +35,13 @@ def main():
     for name, p in m.draft.named_parameters():
         if getattr(p, "tensor_model_parallel", False):
             n_sharded += 1
-            assert not _same_across(tp_group, p.detach()), f"TP-sharded {name} identical on both ranks"
+            assert not same_across_ranks(tp_group, p.detach()), f"TP-sharded {name} identical on both ranks"
         else:
-            assert _same_across(tp_group, p.detach()), f"replicated {name} diverged across TP ranks"
+            assert same_across_ranks(tp_group, p.detach()), f"replicated {name} diverged across TP ranks"
     assert n_sharded > 0
     loss = r2.trainer.callback_metrics["train_loss"]
     assert torch.isfinite(loss), loss
-    assert _same_across(tp_group, loss.reshape(1).float())
+    assert same_across_ranks(tp_group, loss.reshape(1).float())
     del r1
 
     # ---- the step-6 TP=2 training checkpoint resumed elsewhere: continue 6 -> 8 at TP=2, then at TP=1 x DP=2 ----
@@ -94,7 +90,7 @@ def main():
     dp_group = ps.get_data_parallel_group()
     state = r3.module.trainable_state_dict()
     for k, v in state.items():
-        assert _same_across(dp_group, v.detach().float()), f"{k} differs across DP ranks"
+        assert same_across_ranks(dp_group, v.detach().float()), f"{k} differs across DP ranks"
     if dist.get_rank() == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "dp2_state.pt")
         print(f"TRAIN_TP2_OK final={r2.final_checkpoint} loss={float(loss):.4f} tp2_vs_tp1_continue={worst:.2e}")
