@@ -123,7 +123,8 @@ def test_flattened_training_elements_equal_one_forward_drafting():
 
 
 def test_proposer_drafts_what_the_one_forward_predicts():
-    """Every step's chain (ragged batch) is the argmax of the plain forward [pairs..., bonus pair, mask x (K-1)]."""
+    """Every step's chain (ragged batch) is the argmax of the plain forward [pairs..., bonus pair, mask x (K-1)];
+    also for a row that takes over the slot of a finished one (the proposer's per-slot block buffers)."""
     from nemo_spec.inference import SamplingParams
     from nemo_spec.inference.session import Session
 
@@ -139,10 +140,11 @@ def test_proposer_drafts_what_the_one_forward_predicts():
         return tree
 
     sess.proposer.propose = spy
-    for p in ([5, 9, 11, 3, 5, 9], [40, 2]):
-        sess.add(p, SamplingParams(max_new_tokens=8))
+    for p, n in (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6)):  # the third joins the second's slot
+        sess.add(p, SamplingParams(max_new_tokens=n))
     sess.run()
     assert len(seen) >= 4
+    assert any(seq[:3] == [7, 1, 30] for seqs, _ in seen for seq in seqs)
     ids_of = m.draft_vocab_ids()
     for seqs, tokens in seen:
         for r, seq in enumerate(seqs):

@@ -367,10 +367,7 @@ class EagleDraft(MegatronModule):
                 x = self._layer(layer, x, ctx, fast)
             if not head:
                 return x.transpose(0, 1), None
-            if fast:
-                logits = fastpath.column(self.output_layer, fastpath.norm(self.final_layernorm, x))
-            else:
-                logits, _ = self.output_layer(self.final_layernorm(x))
+            return x.transpose(0, 1), self.head_logits(x, gather).transpose(0, 1)
         if gather:
             logits = gather_vocab(logits)
         return x.transpose(0, 1), logits.transpose(0, 1)
@@ -383,7 +380,10 @@ class EagleDraft(MegatronModule):
 
     def head_logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """EAGLE-3 draft head (final norm + lm_head over the draft vocabulary) on hidden rows [..., h]."""
-        logits, _ = self.output_layer(self.final_layernorm(x))
+        if fastpath.active():
+            logits = fastpath.column(self.output_layer, fastpath.norm(self.final_layernorm, x))
+        else:
+            logits, _ = self.output_layer(self.final_layernorm(x))
         return gather_vocab(logits) if gather else logits
 
     @staticmethod

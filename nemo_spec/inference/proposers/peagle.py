@@ -6,7 +6,10 @@ prompt's last pair with the first generated token) are kept *pending* and run in
 followed by K-1 mask slots (feature fc(mask_hidden), token mask_token_id) at positions anchor+1..anchor+K-1, as
 vLLM 0.33.0 lays them out (v1/spec_decode/utils.py:490-536). The forward is causal over the block; the bonus
 pair's output gives draft token 1, mask slot d gives token d+1. The pairs become committed, the mask slots stay
-uncommitted (the next block overwrites them).
+uncommitted (the next block overwrites them). Each slot's next block lives in a persistent buffer whose entries
+past the pending pairs always hold the mask slot (reset after every forward and on admission), so a step builds
+no input tensors: the forward reads the buffer's first ``pending + K - 1`` entries as they are, and the draft
+head runs on the K rows that draft only.
 
 Each drafted token is drawn from its own distribution q_d (which does not depend on the tokens drafted before
 it); verification by the shared rejection rule is lossless for any such q (speculative sampling needs only
@@ -30,6 +33,7 @@ from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
 from nemo_spec.inference.proposers.common import ParallelLevels, chain_block, choose, opt_int, stack_q, swap_rows
 from nemo_spec.inference.transfer import tensor
+from nemo_spec.inference.trees import pad_chains
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,10 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         if tree:
             self.use_tree(options, vd)
         self.max_pos = model_config(self.spec).max_position_embeddings
-        self.pend_feat: Optional[torch.Tensor] = None
-        self.pend_tok: Optional[torch.Tensor] = None
+        self.width = 2 * self.depth  # pending pairs (<= depth + 1) + mask slots (<= depth - 1)
+        self.blk_feat: Optional[torch.Tensor] = None  # [slots, width, h]: pending features, then fc(mask_hidden)
+        self.blk_tok: Optional[torch.Tensor] = None  # [slots, width]: pending tokens, then mask_token_id
+        self.mask_feat: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
 
     def draft_forwards(self, level: int) -> int:
@@ -70,19 +76,31 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         self.cache = sess.engine.cache(("peagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
                                        lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.slots = sess.slots
-        self.pend_feat = self.pend_tok = None
+        self.blk_feat = self.blk_tok = self.mask_feat = None
         self.pend_n = [0] * sess.slots
 
-    def _ensure_pending(self, h: int, dtype: torch.dtype, dev: torch.device) -> None:
-        if self.pend_feat is None:
-            self.pend_feat = torch.zeros(self.slots, self.depth + 1, h, dtype=dtype, device=dev)
-            self.pend_tok = torch.zeros(self.slots, self.depth + 1, dtype=torch.long, device=dev)
+    def _ensure_blocks(self, h: int, dtype: torch.dtype, dev: torch.device) -> None:
+        """The per-slot block buffers, all mask slots; fc(mask_hidden) evaluated once (the draft is frozen while
+        it generates)."""
+        if self.blk_feat is None:
+            with torch.no_grad():
+                self.mask_feat = self.spec.eagle_module.mask_feature().to(dtype).detach()
+            self.blk_feat = self.mask_feat[None, None].expand(self.slots, self.width, h).clone()
+            self.blk_tok = torch.full((self.slots, self.width), self.mask_token_id, dtype=torch.long, device=dev)
+
+    def _reset_blocks(self, rows: "int | slice", n: int) -> None:
+        """Rows ``rows`` (an int: rows [0, rows)), entries [0, n) back to mask slots."""
+        rows = slice(0, rows) if isinstance(rows, int) else rows
+        self.blk_feat[rows, :n] = self.mask_feat
+        self.blk_tok[rows, :n] = self.mask_token_id
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's draft cache row and pending pairs."""
         self.cache.lengths[slot] = 0
         self.cache.starts[slot] = 0
         self.pend_n[slot] = 0
+        if self.blk_feat is not None:  # a previous occupant may have left pending pairs in the block
+            self._reset_blocks(slice(slot, slot + 1), self.width)
 
     def release(self, sess: Any, slot: int, row: Any) -> None:
         """The slot's pending pairs are dropped with its row."""
@@ -91,8 +109,8 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' draft cache rows and pending pairs."""
         self.cache.swap_rows(i, j, used + self.extra_slots)
-        swap_rows(self.pend_feat, i, j)
-        swap_rows(self.pend_tok, i, j)
+        swap_rows(self.blk_feat, i, j)
+        swap_rows(self.blk_tok, i, j)
         self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
 
     # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
@@ -101,7 +119,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         is kept pending: it anchors the first drafted block."""
         feats = self.features(ch.out)
         dev = feats.device
-        self._ensure_pending(feats.shape[-1], feats.dtype, dev)
+        self._ensure_blocks(feats.shape[-1], feats.dtype, dev)
         m = ch.hi - ch.lo
         final_h = [bool(f) and c > 0 for f, c in zip(ch.final, ch.counts)]
         run = [c - int(f) for c, f in zip(ch.counts, final_h)]
@@ -116,8 +134,8 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
             if final_h[i]:
                 s = ch.lo + i
                 last = ch.counts[i] - 1
-                self.pend_feat[s, 0] = feats[i, last]
-                self.pend_tok[s, 0] = ch.next_ids[i, last]
+                self.blk_feat[s, 0] = feats[i, last]
+                self.blk_tok[s, 0] = ch.next_ids[i, last]
                 self.pend_n[s] = 1
         ch.count_draft(1)
 
@@ -125,11 +143,13 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         """The accepted path's base features paired with the emitted tokens become the rows' pending pairs."""
         f = self.path_features(res)
         b, K, dev = st.b, f.shape[1], f.device
-        self.pend_feat[:b, :K] = f
-        for r in range(b):
-            em = res.emitted[r]
-            self.pend_tok[r, :len(em)] = tensor(em, dev)
-            self.pend_n[r] = len(res.paths[r])
+        tok, val = pad_chains(res.emitted, n=K, pad=self.mask_token_id, device=dev)
+        self.blk_tok[:b, :K] = tok
+        if bool(all(len(e) == K for e in res.emitted)):
+            self.blk_feat[:b, :K] = f
+        else:  # shorter paths keep their mask slots
+            self.blk_feat[:b, :K] = torch.where(val[..., None], f, self.mask_feat)
+        self.pend_n[:b] = [len(p) for p in res.paths]
 
     # ---- the one forward ---------------------------------------------------------------------------------------
     def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
@@ -143,33 +163,33 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         width = max(lens)
         if width == 0:
             return DraftTree.empty(b, dev)
-        draft = self.spec.eagle_module
-        idx = torch.arange(width, device=dev)[None]
-        npend = tensor(n_pend, dev)[:, None]
-        valid = idx < tensor(lens, dev)[:, None]
-        is_pair = idx < npend
-        wp = min(width, self.depth + 1)
-        tok = torch.full((b, width), self.mask_token_id, dtype=torch.long, device=dev)
-        tok[:, :wp] = torch.where(is_pair[:, :wp], self.pend_tok[:b, :wp], tok[:, :wp])
-        mf = draft.mask_feature().to(self.pend_feat.dtype)
-        feat = mf[None, None].expand(b, width, -1).clone()
-        feat[:, :wp] = torch.where(is_pair[:, :wp, None], self.pend_feat[:b, :wp], feat[:, :wp])
+        npend = tensor(n_pend, dev)
+        ragged = len(set(lens)) > 1
+        valid = (torch.arange(width, device=dev)[None] < tensor(lens, dev)[:, None] if ragged
+                 else torch.ones(b, width, dtype=torch.bool, device=dev))
+        tok, feat = self.blk_tok[:b, :width], self.blk_feat[:b, :width]
         view = self.cache.view(0, b)
         ctx = chain_block(view, tok, valid, self.max_pos,
                            max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
-        _, logits = self.spec.draft_step(tok, feat, ctx, head=k > 0)
-        view.lengths += npend[:, 0]
-        for r in range(b):
-            self.pend_n[r] = 0
+        hid, _ = self.spec.draft_step(tok, feat, ctx, head=False)
+        view.lengths += npend
+        self._reset_blocks(b, width)
+        self.pend_n[:b] = [0] * b
         st.count_draft(1)
         if k == 0:
             return DraftTree.empty(b, dev)
-        rows = torch.arange(b, device=dev)[:, None]
-        at = (npend - 1).clamp(min=0) + torch.arange(k, device=dev)[None]  # [b, k]: bonus pair, then masks
-        lg = logits[rows, at]  # [b, k, Vd]
+        if ragged or n_pend[0] != 1:  # rows [bonus pair, masks...] start at each row's last pending pair
+            at = (npend[:, None] - 1).clamp(min=0) + torch.arange(k, device=dev)[None]  # [b, k]
+            hid = hid[torch.arange(b, device=dev)[:, None], at]
+        else:
+            hid = hid[:, :k]
+        lg = self.spec.eagle_module.head_logits(hid)  # [b, k, Vd]: only the rows that draft
         if self.tree is not None:
             return self.tree.draft(lg, self.level_nodes(level), self.d2t_ids)
         greedy = [p.greedy for p in st.params]
+        if all(greedy):  # one argmax for the whole chain; greedy verification reads no q
+            tokens = self.d2t_ids[lg.argmax(-1)]
+            return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool))
         drafts, qs = [], []
         for d in range(k):
             t, q = choose(st, lg[:, d], greedy)
