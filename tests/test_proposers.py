@@ -48,3 +48,72 @@ def test_speculative_module_re_exports_the_proposers():
 
     for name in speculative.__all__:
         assert getattr(speculative, name) is getattr(proposers, name)
+
+
+def _eagle_reference_chain(m, seq, k):
+    """The k-token greedy chain of one EAGLE draft by plain cache-free forwards: pairs (f_t, x_{t+1}) of the
+    sequence, then each drafted token paired with the draft's own output hidden of the previous entry."""
+    import torch
+
+    from nemo_spec.models import AttnContext
+
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        feats = m.fuse(m.base_features(m.base_forward(ids)))[:, :-1]
+        tok, feat, chain = ids[:, 1:], feats, []
+        for _ in range(k):
+            ctx = AttnContext(position_ids=torch.arange(tok.shape[1])[None])
+            hid, logits = m.draft_step(tok, feat, ctx)
+            d = int(m.draft_to_base_ids(logits[0, -1].argmax()[None])[0])
+            chain.append(d)
+            tok = torch.cat([tok, torch.tensor([[d]])], 1)
+            feat = torch.cat([feat, hid[:, -1:]], 1)
+    return chain
+
+
+@pytest.mark.parametrize("alg", ["eagle1", "eagle3"])
+def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
+    """Every step's EAGLE chain (ragged batch, a row taking over a finished row's slot) equals the chain of plain
+    cache-free draft forwards: the drafting roots from prefill and from the catch-up after each verification,
+    whose logits the proposer computes for the root rows only."""
+    import torch
+
+    from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.inference.session import Session
+    from nemo_spec.models import build_gpt
+    from nemo_spec.speculative import SpeculativeTransform
+    from tests.helpers import tiny_llama
+    from tests.inference_utils import accepted_drafts
+    from tests.speculative_utils import perturb_draft, train_draft
+
+    torch.manual_seed(0)
+    kw = {"draft_vocab_size": 64} if alg == "eagle3" else {}
+    m = SpeculativeTransform(algorithm=alg, **kw)(build_gpt(tiny_llama(num_layers=3, init_method_std=0.1)))
+    if alg == "eagle3":
+        m.set_draft_vocab(torch.arange(96, 0, -1).float())
+    m = perturb_draft(m, 1).eval()
+    rows = (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6))  # the third joins the second's slot
+    # trained on the target's own continuations, so verification accepts drafts and the catch-up runs over
+    # several pairs per row
+    seqs = [p + o.tokens for p, o in zip([r[0] for r in rows], generate(m, [r[0] for r in rows],
+                                                                        SamplingParams(max_new_tokens=10)))]
+    train_draft(m, torch.tensor([q[:11] for q in seqs]), 40)
+    m.eval()
+    K = 3
+    sess = Session(m, "eagle", options={"num_draft_tokens": K}, max_batch=2)
+    seen = []
+    propose = sess.proposer.propose
+
+    def spy(s, st, level=None):
+        tree = propose(s, st, level)
+        seen.append(([list(x) for x in st.seqs], tree.tokens.clone()))
+        return tree
+
+    sess.proposer.propose = spy
+    handles = [sess.add(p, SamplingParams(max_new_tokens=n)) for p, n in rows]
+    sess.run()
+    assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _ in seen for seq in seqs)
+    assert sum(accepted_drafts(sess.result(h)) for h in handles) >= 3
+    for seqs, tokens in seen:
+        for r, seq in enumerate(seqs):
+            assert tokens[r].tolist() == _eagle_reference_chain(m, seq, K), seq

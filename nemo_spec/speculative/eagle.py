@@ -352,7 +352,8 @@ class EagleDraft(MegatronModule):
                 ctx: Optional[AttnContext] = None, gather: bool = True,
                 head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One draft pass: (input_ids [b,s], feature [b,s,h]) -> (out_hidden [b,s,h], logits [b,s,Vd]); with
-        ``head=False`` (EAGLE-3 training: :meth:`head_logits` row block by row block) the logits are None."""
+        ``head=False`` (EAGLE-3 training: :meth:`head_logits` row block by row block; generation: :meth:`logits`
+        of the rows it needs) the logits are None."""
         fast = fastpath.active()  # generation: the lean path through the same modules (see models/fastpath.py)
         emb = self.embed(base, input_ids, fast)  # [s, b, h]
         feat = hidden.transpose(0, 1).to(emb.dtype)
@@ -360,17 +361,21 @@ class EagleDraft(MegatronModule):
             x = self.fc(torch.cat([emb, feat], dim=-1))
             for layer in self.layers:
                 x = self._layer(layer, x, ctx, fast)
-            logits = output_logits(base, x, fast=fast)
         else:
             x = self._eagle3_first_layer(emb, feat, ctx, fast)
             for layer in self.layers[1:]:
                 x = self._layer(layer, x, ctx, fast)
-            if not head:
-                return x.transpose(0, 1), None
-            return x.transpose(0, 1), self.head_logits(x, gather).transpose(0, 1)
-        if gather:
-            logits = gather_vocab(logits)
-        return x.transpose(0, 1), logits.transpose(0, 1)
+        if not head:
+            return x.transpose(0, 1), None
+        return x.transpose(0, 1), self.logits(base, x, gather).transpose(0, 1)
+
+    def logits(self, base: torch.nn.Module, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Draft logits of output hidden rows [..., h]: EAGLE-1 through the base's output layer, EAGLE-3 through
+        :meth:`head_logits` (a proposer that needs only some rows' logits runs the forward with ``head=False``)."""
+        if self.algorithm != "eagle1":
+            return self.head_logits(x, gather)
+        logits = output_logits(base, x, fast=fastpath.active())
+        return gather_vocab(logits) if gather else logits
 
     def embed(self, base: torch.nn.Module, input_ids: torch.Tensor, fast: bool = False) -> torch.Tensor:
         """Token embeddings [s, b, h] of ``input_ids`` [b, s] from the frozen base embedding."""

@@ -146,10 +146,14 @@ class SpeculativeGPT(MegatronModule):
     def draft_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: Optional[AttnContext] = None,
                    gather: bool = True, head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One EAGLE pass: row t pairs feature f_t with token x_{t+1}; returns (out_hidden [b,s,h], logits [b,s,Vd])
-        (EAGLE-3 with ``head=False``: logits None, see ``eagle_module.head_logits``)."""
+        (``head=False``: logits None; :meth:`draft_logits` gives them for the rows that need them)."""
         if not self.is_eagle:
             raise TypeError(f"draft_step is for EAGLE drafts, this model's draft is {self.algorithm}")
         return self.eagle_module(self.gpt, input_ids, hidden, ctx, gather=gather, head=head)
+
+    def draft_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., Vd] (gathered) of draft output hidden rows [..., h] from :meth:`draft_step`."""
+        return self.eagle_module.logits(self.gpt, out_hidden)
 
     def medusa_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """Medusa logits [K, b, s, V] for base final hidden [b, s, h]; head k at t predicts x_{t+k+2}."""

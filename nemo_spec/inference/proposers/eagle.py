@@ -99,11 +99,11 @@ class EagleProposer(SpecModelProposer):
         feats = self.features(ch.out)
         view = self.cache.view(ch.lo, ch.hi)
         ctx = chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
-        hid, logits = self.spec.draft_step(ch.next_ids, feats, ctx)
+        hid, _ = self.spec.draft_step(ch.next_ids, feats, ctx, head=False)  # logits: the roots' rows only
         view.lengths += ch.counts_dev
         if any(ch.final):
-            self._store_root(ch.lo, ch.hi, ch.final_dev, last_valid(hid, ch.counts_dev),
-                             last_valid(logits, ch.counts_dev))
+            h = last_valid(hid, ch.counts_dev)
+            self._store_root(ch.lo, ch.hi, ch.final_dev, h, self.spec.draft_logits(h))
         ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
@@ -114,9 +114,10 @@ class EagleProposer(SpecModelProposer):
         counts = res.accepted + 1
         view = self.cache.view(0, b)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max(st.lengths))
-        hid, logits = self.spec.draft_step(tok, f, ctx)
+        hid, _ = self.spec.draft_step(tok, f, ctx, head=False)  # logits: the new roots' rows only
         view.lengths += counts
-        self._store_root(0, b, None, last_valid(hid, counts), last_valid(logits, counts))
+        h = last_valid(hid, counts)
+        self._store_root(0, b, None, h, self.spec.draft_logits(h))
         st.count_draft(1)
 
     def swap(self, i: int, j: int, used: int) -> None:

@@ -183,7 +183,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
             hid = hid[torch.arange(b, device=dev)[:, None], at]
         else:
             hid = hid[:, :k]
-        lg = self.spec.eagle_module.head_logits(hid)  # [b, k, Vd]: only the rows that draft
+        lg = self.spec.draft_logits(hid)  # [b, k, Vd]: only the rows that draft
         if self.tree is not None:
             return self.tree.draft(lg, self.level_nodes(level), self.d2t_ids)
         greedy = [p.greedy for p in st.params]
