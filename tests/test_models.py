@@ -167,3 +167,25 @@ def test_kv_expansion_for_the_cpu_backward_is_exact():
         assert torch.allclose(a, b, atol=1e-5)
     with torch.no_grad():
         assert expand_kv_for_backward(q, k, v)[2] is True
+
+
+def test_fastpath_small_gemm_kernel_choice(monkeypatch):
+    """CPU products of up to 10 rows: both kernels compute F.linear's product; "auto" measures the faster once per
+    weight shape / row count and caches it; an unknown mode is an error naming the variable."""
+    from nemo_spec.models import fastpath
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 16), torch.randn(48)
+    for rows in (1, 3, 10, 11):
+        x = torch.randn(2, rows, 16)[:1]  # [1, rows, 16]
+        want = torch.nn.functional.linear(x, w, b)
+        for mode in ("linear", "transposed", "auto"):
+            monkeypatch.setattr(fastpath, "SMALL_GEMM", mode)
+            torch.testing.assert_close(fastpath.linear(x, w, b), want, atol=1e-5, rtol=1e-5)
+    keys = [k for k in fastpath._SMALL_GEMM_CHOICE if k[0] == (48, 16)]
+    assert sorted(k[1] for k in keys) == [1, 3, 10]  # measured per row count; 11 rows always take F.linear
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "transposed")
+    assert fastpath.transposed_faster(w, 3)  # a forced mode overrides the cached measurement
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "fastest")
+    with pytest.raises(ValueError, match="NEMO_SPEC_SMALL_GEMM"):
+        fastpath.transposed_faster(torch.randn(5, 7), 2)

@@ -19,7 +19,9 @@ the module forward for the Llama and GPT-2 families, with caches, masks and at T
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +43,72 @@ def _tp_group() -> Any:
     return ps.get_tensor_model_parallel_group()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` — except on CPU for up to 10 rows, computed as ``(W @ x^T)^T``.
+#: How the fast path computes CPU products of up to 10 rows: "auto" (default) times both kernels once per weight
+#: shape, row count, dtype and thread count on the weight itself and keeps the faster; "linear" always
+#: ``F.linear``; "transposed" always ``(W @ x^T)^T``. Environment variable ``NEMO_SPEC_SMALL_GEMM``.
+SMALL_GEMM = os.environ.get("NEMO_SPEC_SMALL_GEMM", "auto")
+_SMALL_GEMM_CHOICE: Dict[Tuple[Any, ...], bool] = {}
+_BY_WEIGHT: Dict[Tuple[int, int], bool] = {}
 
-    Decode steps, verification blocks and draft trees are a few tokens wide. For such shapes the CPU GEMM
-    behind ``F.linear`` costs up to ~1.5x ``W @ x^T`` in-model (small base, one thread: 1 row 9.4 vs 8.0 ms,
-    4 rows 11.9 vs 7.9 ms, 9 rows 14.5 vs 11.5 ms per forward; from 12 rows on ``F.linear`` wins). Same
-    math; the summation order may differ in the last bits, as between any two GEMM kernels.
+
+def _transposed(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ x2.t()).t().contiguous()
+
+
+def _time_kernels(weight: torch.Tensor, rows: int, rounds: int = 9, calls: int = 4, margin: float = 0.9) -> bool:
+    """Whether ``(W @ x^T)^T`` beats ``F.linear`` for ``rows`` rows on ``weight`` by more than ``margin`` (median
+    of alternating rounds; near-equal timings keep the standard kernel, so noise cannot pick the other)."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    t = {True: [], False: []}
+    for _ in range(2):  # warm both
+        _transposed(x, weight)
+        F.linear(x, weight)
+    for _ in range(rounds):
+        for tr in (True, False):
+            s = time.perf_counter()
+            for _ in range(calls):
+                _transposed(x, weight) if tr else F.linear(x, weight)
+            t[tr].append(time.perf_counter() - s)
+    med = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
+    return med[True] < margin * med[False]
+
+
+def transposed_faster(weight: torch.Tensor, rows: int) -> bool:
+    """The small-row kernel choice for ``weight`` and ``rows`` on CPU (see :data:`SMALL_GEMM`): measured once per
+    weight shape, row count, dtype and thread count, then looked up by the weight's identity (a reused id can only
+    pick the slower of two kernels that compute the same product)."""
+    choice = _BY_WEIGHT.get((id(weight), rows))
+    if choice is not None and SMALL_GEMM == "auto":
+        return choice
+    if SMALL_GEMM == "linear":
+        return False
+    if SMALL_GEMM == "transposed":
+        return True
+    if SMALL_GEMM != "auto":
+        raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
+    key = (tuple(weight.shape), rows, weight.dtype, torch.get_num_threads())
+    choice = _SMALL_GEMM_CHOICE.get(key)
+    if choice is None:
+        with torch.no_grad():
+            choice = _SMALL_GEMM_CHOICE[key] = _time_kernels(weight, rows)
+    _BY_WEIGHT[(id(weight), rows)] = choice
+    return choice
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` — except on CPU for up to 10 rows where ``(W @ x^T)^T`` measured faster.
+
+    Decode steps, verification blocks and draft trees are a few tokens wide, and which CPU kernel is faster for
+    such shapes depends on the machine: on one 2-core host the transposed product was up to ~1.5x faster
+    in-model (small base, one thread: 1 row 9.4 vs 8.0 ms per forward); on another ``F.linear`` was 1.3-2x
+    faster for 2-10 rows (the same base: AR +5%, EAGLE-3 verification 10.8 -> 8.7 ms). So the choice is
+    measured once per weight shape and row count (:func:`transposed_faster`). Same math; the summation order
+    may differ in the last bits, as between any two GEMM kernels.
     """
     if x.device.type == "cpu":
         rows = x.numel() // x.shape[-1]
-        if rows <= 10:
-            y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
-            y = y.view(*x.shape[:-1], weight.shape[0])
+        if rows <= 10 and transposed_faster(weight, rows):
+            y = _transposed(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
