@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 
@@ -183,6 +183,7 @@ class SpeculativeConfig:
     mask_token_id: Optional[int] = None  # P-EAGLE / DFlash: mask placeholder id; None -> pad id, else vocab_size - 1
     cod_ratio: float = 0.8  # P-EAGLE COD sampling: depth d keeps max(r^d, r_min) of the anchors
     cod_ratio_min: float = 0.2  # P-EAGLE COD sampling floor r_min
+    depth_warmup_steps: int = 0  # P-EAGLE training: the first N optimizer steps train depth 0 only (0 = off)
     block_size: int = 16  # DFlash: block [last token, MASK x (B-1)] drafted in one forward (B - 1 draft tokens)
     target_layer_ids: Optional[List[int]] = None  # DFlash: 0-based base layers whose outputs are fused; None -> ref.
     num_anchors: int = 512  # DFlash training: random anchors (blocks) per sequence
@@ -228,6 +229,8 @@ class SpeculativeConfig:
         if self.algorithm == "peagle":
             _check(isinstance(self.parallel_depth, int) and not isinstance(self.parallel_depth, bool)
                    and self.parallel_depth >= 1, f"parallel_depth must be an int >= 1 for peagle, got {self.parallel_depth!r}")
+            _check(_is_int(self.depth_warmup_steps) and self.depth_warmup_steps >= 0,
+                   f"depth_warmup_steps must be an int >= 0, got {self.depth_warmup_steps!r}")
             for name in ("cod_ratio", "cod_ratio_min"):
                 v = getattr(self, name)
                 _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0,
@@ -237,6 +240,8 @@ class SpeculativeConfig:
                        and self.mask_token_id >= 0, f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
         elif self.algorithm != "dflash":
             _check(self.mask_token_id is None, f"mask_token_id is only used by peagle and dflash, not {self.algorithm}")
+        if self.algorithm != "peagle":
+            _check(self.depth_warmup_steps in (0, None), f"depth_warmup_steps is only used by peagle, not {self.algorithm}")
         if model is not None:
             if self.draft_vocab_size is not None:
                 _check(self.algorithm in EAGLE3_LIKE, f"draft_vocab_size is only used by {EAGLE3_LIKE}")

@@ -484,3 +484,29 @@ def test_tp2_import_and_export(exported_all, tmp_path):
     a, b = load_tensors(exp1 / "draft" / "model.safetensors"), load_tensors(tmp_path / "tp2" / "draft" /
                                                                            "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_depth_warmup_trains_depth_0_only_for_the_first_steps():
+    """``depth_warmup_steps`` = N: a draft in training mode at optimizer step < N (``train_step``, set by the
+    training loop) trains depth 0 only; from step N, in evaluation, or without a step: all depths."""
+    with pytest.raises(ConfigError, match="depth_warmup_steps must be an int >= 0"):
+        SpeculativeTransform(algorithm="peagle", depth_warmup_steps=-1)
+    with pytest.raises(ConfigError, match="only apply to algorithm='peagle'"):
+        SpeculativeTransform(algorithm="eagle3", depth_warmup_steps=3)
+    with pytest.raises(ConfigError, match="depth_warmup_steps is only used by peagle"):
+        SpeculativeConfig(algorithm="dflash", depth_warmup_steps=2).validate()
+    m = _model(depth_warmup_steps=2)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 96, (2, 20))
+
+    def depths(step, train=True):
+        m.train(train)
+        m.train_step = step
+        res = m.training_losses(ids, generator=torch.Generator().manual_seed(0))
+        return len(res["step_acc"]), res["num_elements"]
+
+    n0 = 2 * 20  # depth 0 keeps every anchor of both rows
+    assert depths(0) == (1, n0) and depths(1) == (1, n0)
+    full = depths(2)
+    assert full[0] == 3 and full[1] > n0 and depths(7) == full
+    assert depths(0, train=False) == full and depths(None) == full

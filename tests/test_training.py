@@ -169,6 +169,20 @@ def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):
         assert torch.equal(loaded.d2t, res.module.model.d2t) and bool(loaded.d2t.any())
 
 
+def test_peagle_depth_warmup_in_the_recipe(base, tmp_path):
+    """spec.depth_warmup_steps=3: the recipe's first 3 optimizer steps train (and log) depth 0 only, the rest all
+    depths; validation always measures every depth."""
+    model_path, data = base
+    cfg = small_train_config(tmp_path / "warm", "peagle", steps=6, val_check_interval=6, acceptance_prompts=0)
+    cfg.model_path, cfg.data.path = str(model_path), str(data)
+    cfg.spec.num_eagle_layers, cfg.spec.parallel_depth, cfg.spec.depth_warmup_steps = 1, 3, 3
+    train(cfg)
+    rows = [r for r in csv.DictReader(open(Path(cfg.run_dir) / "csv" / "metrics.csv")) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert [bool(r.get("train_acc_step2")) for r in rows] == [False] * 3 + [True] * 3
+    assert all(r.get("train_acc_step0") for r in rows) and _metric(cfg.run_dir, "val_acc_step2")
+
+
 # ---- exact resume ---------------------------------------------------------------------------------------------------
 class _StopAt(pl.Callback):
     def __init__(self, step):

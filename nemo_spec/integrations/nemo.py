@@ -107,6 +107,12 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         """Check the draft is attached and is what the optimizer holds."""
         self._maybe_apply_transform(trainer)
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Tell the draft which optimizer step it trains (P-EAGLE's ``depth_warmup_steps``)."""
+        spec = unwrap_speculative(pl_module)
+        if spec is not None:
+            spec.train_step = trainer.global_step
+
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached."""
         self._maybe_apply_transform(trainer)

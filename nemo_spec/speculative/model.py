@@ -40,6 +40,9 @@ class SpeculativeGPT(MegatronModule):
         self.spec_config = spec_config
         self.model_config = model_config
         self.nemo_spec_config = model_config
+        #: the optimizer step being trained, set by the training loop (our recipe, the NeMo callback); schedules
+        #: of the draft objective read it (P-EAGLE ``depth_warmup_steps``)
+        self.train_step: Optional[int] = None
         for p in self.gpt.parameters():
             p.requires_grad_(False)
         self.gpt.eval()

@@ -148,13 +148,20 @@ def peagle_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     """P-EAGLE loss: KL(base || draft) over the draft vocabulary, summed over all COD-sampled elements with a
     target (in the draft vocabulary, ``loss_mask`` set) and divided by their number.
 
+    ``depths`` (default ``parallel_depth``): with ``spec.depth_warmup_steps`` = N, a model in training mode whose
+    ``train_step`` (the optimizer step, set by the training loop) is below N trains depth 0 only — EAGLE-3's
+    first step, whose accuracy otherwise stalls under the deeper elements' gradients at small budgets.
+
     Returns {"loss", "step_losses" (per depth), "step_acc" (per depth), (+ "token_loss" [b, s] by megatron
     label position t + 1 + d, unnormalised)}.
     """
     from nemo_spec.speculative.losses import eagle3_targets, soft_cross_entropy_rows
 
     sc = model.spec_config
-    depths = depths or sc.parallel_depth
+    if depths is None:  # depth warm-up: the recipe / NeMo callback set the optimizer step being trained
+        step = getattr(model, "train_step", None)
+        warm = model.training and step is not None and step < int(sc.depth_warmup_steps or 0)
+        depths = 1 if warm else sc.parallel_depth
     ratio = sc.cod_ratio if ratio is None else ratio
     ratio_min = sc.cod_ratio_min if ratio_min is None else ratio_min
     draft: PEagleDraft = model.eagle_module

@@ -233,6 +233,8 @@ class SpeculativeLightningModule(pl.LightningModule):
                      on_epoch=not on_step, prog_bar=(i == 0), batch_size=batch_size, sync_dist=not on_step)
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.is_speculative:
+            self.model.train_step = self.trainer.global_step  # the draft objective's schedules (restored on resume)
         out = self.compute_losses(batch, self.sampling_generator("train", batch_idx))
         self._consumed_in_epoch += self.samples_per_batch or batch["input_ids"].shape[0]
         self._log_losses(out, "train", batch["input_ids"].shape[0])

@@ -242,3 +242,28 @@ def test_dflash_q_k_norm_gradients_are_summed_in_nemos_finalize(tmp_path, monkey
     assert not ns["model"].config.qk_layernorm
     assert len(calls) == 2 and all(m is rec.spec and m.algorithm == "dflash" for m in calls), calls
     assert parallel.tp_partial_grad_params(rec.spec) and all(l == l for l in rec.losses)
+
+
+def test_peagle_depth_warmup_follows_nemos_step(tmp_path, monkeypatch):
+    """In NeMo's own loop the integration's callback tells the draft its optimizer step, so P-EAGLE's
+    ``depth_warmup_steps`` applies there as in our recipe: step 0 trains depth 0 only, step 1 all depths."""
+    import nemo_spec.speculative.peagle as peagle
+
+    seen = []
+    orig = peagle.peagle_losses
+
+    def spy(model, *a, **k):
+        res = orig(model, *a, **k)
+        if model.training:
+            seen.append((model.train_step, len(res["step_acc"])))
+        return res
+
+    monkeypatch.setattr(peagle, "peagle_losses", spy)
+    ns, rec = build(tmp_path, 2)
+    eagle = "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)"
+    code = readme_snippet()
+    exec(compile(code.replace(eagle, "SpeculativeTransform(algorithm='peagle', num_eagle_layers=1, parallel_depth=3, "
+                                     "mask_token_id=0, depth_warmup_steps=1)"), "peagle snippet", "exec"), ns)
+    assert rec.spec.algorithm == "peagle"
+    assert sorted(set(seen)) == [(0, 1), (1, 3)], seen
+    assert all(l == l for l in rec.losses)
