@@ -189,3 +189,17 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "fastest")
     with pytest.raises(ValueError, match="NEMO_SPEC_SMALL_GEMM"):
         fastpath.transposed_faster(torch.randn(5, 7), 2)
+
+
+def test_rope_qk_equals_apply_rope_exactly():
+    """Generation rotates q and k in one pass (roll + signed sin); bitwise what apply_rope gives each of them."""
+    from nemo_spec.models.attention import AttnContext, apply_rope, rope_cos_sin, rope_inv_freq, rope_qk
+
+    torch.manual_seed(0)
+    inv = rope_inv_freq(32, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    pos = torch.randint(0, 500, (2, 5))
+    q, k = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32)
+    rq, rk = rope_qk(q, k, AttnContext(position_ids=pos).rope_signed(inv))
+    cs = rope_cos_sin(pos, inv)
+    assert torch.equal(rq, apply_rope(q, pos, inv, cs)) and torch.equal(rk, apply_rope(k, pos, inv, cs))
