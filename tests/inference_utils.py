@@ -68,3 +68,28 @@ def naive_greedy(model, prompt: List[int], n: int) -> List[int]:
         for _ in range(n):
             x.append(int(gpt_forward(model, torch.tensor([x])).logits[0, -1].argmax()))
     return x[len(prompt):]
+
+
+#: rows for the proposal tests: ragged prompts and budgets; with max_batch=2 the third joins the second's slot
+SLOT_REUSE_ROWS = (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6))
+
+
+def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int = 2):
+    """Run a Session over ``rows`` [(prompt, SamplingParams or max_new_tokens)] recording every step's proposal:
+    ([(rows' sequences so far), DraftTree, its tokens cloned)], and the rows' results."""
+    from nemo_spec.inference.session import Session
+
+    sess = Session(model, method, options=options, max_batch=max_batch)
+    seen = []
+    propose = sess.proposer.propose
+
+    def spy(s, st, level=None):
+        tree = propose(s, st, level)
+        seen.append(([list(x) for x in st.seqs], tree, tree.tokens.clone()))
+        return tree
+
+    sess.proposer.propose = spy
+    handles = [sess.add(p, sp if isinstance(sp, SamplingParams) else SamplingParams(max_new_tokens=sp))
+               for p, sp in rows]
+    sess.run()
+    return seen, [sess.result(h) for h in handles]

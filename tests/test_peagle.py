@@ -8,6 +8,7 @@ from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, flatten_cod,
                                           peagle_attention_mask)
 from tests.helpers import tiny_llama
+from tests.inference_utils import SLOT_REUSE_ROWS, recorded_proposals
 from tests.speculative_utils import perturb_draft, train_draft
 
 torch.set_num_threads(1)
@@ -125,28 +126,13 @@ def test_flattened_training_elements_equal_one_forward_drafting():
 def test_proposer_drafts_what_the_one_forward_predicts():
     """Every step's chain (ragged batch) is the argmax of the plain forward [pairs..., bonus pair, mask x (K-1)];
     also for a row that takes over the slot of a finished one (the proposer's per-slot block buffers)."""
-    from nemo_spec.inference import SamplingParams
-    from nemo_spec.inference.session import Session
-
     m = _model(seed=2)
     K = 3
-    sess = Session(m, "peagle", options={"num_draft_tokens": K}, max_batch=2)
-    seen = []
-    propose = sess.proposer.propose
-
-    def spy(s, st, level=None):
-        tree = propose(s, st, level)
-        seen.append(([list(x) for x in st.seqs], tree.tokens.clone()))
-        return tree
-
-    sess.proposer.propose = spy
-    for p, n in (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6)):  # the third joins the second's slot
-        sess.add(p, SamplingParams(max_new_tokens=n))
-    sess.run()
+    seen, _ = recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K})
     assert len(seen) >= 4
-    assert any(seq[:3] == [7, 1, 30] for seqs, _ in seen for seq in seqs)
+    assert any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
     ids_of = m.draft_vocab_ids()
-    for seqs, tokens in seen:
+    for seqs, _, tokens in seen:
         for r, seq in enumerate(seqs):
             ids = torch.tensor([seq])
             want = [int(ids_of[_drafting_logits(m, ids, len(seq) - 2, d).argmax()]) for d in range(K)]
@@ -164,24 +150,14 @@ def test_tree_proposer_places_the_one_forwards_top_k_on_the_static_tree():
     K = 3
     choices = parallel_tree_choices(K)
     parents, depths, ranks = medusa_tree(choices)
-    sess = Session(m, "peagle_tree", options={"num_draft_tokens": K}, max_batch=2)
-    assert sess.proposer.levels == [0, 3, 6, 8] and sess.proposer.lookahead == len(choices) == 8
-    seen = []
-    propose = sess.proposer.propose
-
-    def spy(s, st, level=None):
-        tree = propose(s, st, level)
-        seen.append(([list(x) for x in st.seqs], tree))
-        return tree
-
-    sess.proposer.propose = spy
-    for p, sp in (([5, 9, 11, 3, 5, 9], SamplingParams(max_new_tokens=8)),
-                  ([40, 2], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))):
-        sess.add(p, sp)
-    sess.run()
+    prop = Session(m, "peagle_tree", options={"num_draft_tokens": K}, max_batch=2).proposer
+    assert prop.levels == [0, 3, 6, 8] and prop.lookahead == len(choices) == 8
+    seen, _ = recorded_proposals(m, "peagle_tree", [([5, 9, 11, 3, 5, 9], 8),
+                                                    ([40, 2], SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                                             seed=3))], {"num_draft_tokens": K})
     assert len(seen) >= 4
     ids_of = m.draft_vocab_ids()
-    for seqs, tree in seen:
+    for seqs, tree, _ in seen:
         assert tree.q is None  # deterministic candidates at any temperature
         for r, seq in enumerate(seqs):
             ids = torch.tensor([seq])

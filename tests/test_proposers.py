@@ -79,11 +79,10 @@ def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
     import torch
 
     from nemo_spec.inference import SamplingParams, generate
-    from nemo_spec.inference.session import Session
     from nemo_spec.models import build_gpt
     from nemo_spec.speculative import SpeculativeTransform
     from tests.helpers import tiny_llama
-    from tests.inference_utils import accepted_drafts
+    from tests.inference_utils import SLOT_REUSE_ROWS, accepted_drafts, recorded_proposals
     from tests.speculative_utils import perturb_draft, train_draft
 
     torch.manual_seed(0)
@@ -92,7 +91,7 @@ def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
     if alg == "eagle3":
         m.set_draft_vocab(torch.arange(96, 0, -1).float())
     m = perturb_draft(m, 1).eval()
-    rows = (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6))  # the third joins the second's slot
+    rows = SLOT_REUSE_ROWS
     # trained on the target's own continuations, so verification accepts drafts and the catch-up runs over
     # several pairs per row
     seqs = [p + o.tokens for p, o in zip([r[0] for r in rows], generate(m, [r[0] for r in rows],
@@ -100,20 +99,9 @@ def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
     train_draft(m, torch.tensor([q[:11] for q in seqs]), 40)
     m.eval()
     K = 3
-    sess = Session(m, "eagle", options={"num_draft_tokens": K}, max_batch=2)
-    seen = []
-    propose = sess.proposer.propose
-
-    def spy(s, st, level=None):
-        tree = propose(s, st, level)
-        seen.append(([list(x) for x in st.seqs], tree.tokens.clone()))
-        return tree
-
-    sess.proposer.propose = spy
-    handles = [sess.add(p, SamplingParams(max_new_tokens=n)) for p, n in rows]
-    sess.run()
-    assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _ in seen for seq in seqs)
-    assert sum(accepted_drafts(sess.result(h)) for h in handles) >= 3
-    for seqs, tokens in seen:
+    seen, results = recorded_proposals(m, "eagle", rows, {"num_draft_tokens": K})
+    assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
+    assert sum(accepted_drafts(r) for r in results) >= 3
+    for seqs, _, tokens in seen:
         for r, seq in enumerate(seqs):
             assert tokens[r].tolist() == _eagle_reference_chain(m, seq, K), seq
