@@ -229,8 +229,8 @@ class SpeculativeConfig:
         if self.algorithm == "peagle":
             _check(isinstance(self.parallel_depth, int) and not isinstance(self.parallel_depth, bool)
                    and self.parallel_depth >= 1, f"parallel_depth must be an int >= 1 for peagle, got {self.parallel_depth!r}")
-            _check(_is_int(self.depth_warmup_steps) and self.depth_warmup_steps >= 0,
-                   f"depth_warmup_steps must be an int >= 0, got {self.depth_warmup_steps!r}")
+            _check(self.depth_warmup_steps is None or (_is_int(self.depth_warmup_steps) and self.depth_warmup_steps >= 0),
+                   f"depth_warmup_steps must be an int >= 0 (or null: 0), got {self.depth_warmup_steps!r}")
             for name in ("cod_ratio", "cod_ratio_min"):
                 v = getattr(self, name)
                 _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0,
@@ -241,7 +241,8 @@ class SpeculativeConfig:
         elif self.algorithm != "dflash":
             _check(self.mask_token_id is None, f"mask_token_id is only used by peagle and dflash, not {self.algorithm}")
         if self.algorithm != "peagle":
-            _check(self.depth_warmup_steps in (0, None), f"depth_warmup_steps is only used by peagle, not {self.algorithm}")
+            _check(self.depth_warmup_steps is None or (_is_int(self.depth_warmup_steps) and self.depth_warmup_steps == 0),
+                   f"depth_warmup_steps is only used by peagle, not {self.algorithm}")
         if model is not None:
             if self.draft_vocab_size is not None:
                 _check(self.algorithm in EAGLE3_LIKE, f"draft_vocab_size is only used by {EAGLE3_LIKE}")

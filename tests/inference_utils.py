@@ -74,9 +74,10 @@ def naive_greedy(model, prompt: List[int], n: int) -> List[int]:
 SLOT_REUSE_ROWS = (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6))
 
 
-def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int = 2):
+def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int = 2, after=None):
     """Run a Session over ``rows`` [(prompt, SamplingParams or max_new_tokens)] recording every step's proposal:
-    ([(rows' sequences so far), DraftTree, its tokens cloned)], and the rows' results."""
+    ([(rows' sequences so far), DraftTree, its tokens cloned)], and the rows' results. ``after(proposer, st)`` is
+    called after every proposal (a check of the proposer's state)."""
     from nemo_spec.inference.session import Session
 
     sess = Session(model, method, options=options, max_batch=max_batch)
@@ -86,6 +87,8 @@ def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int =
     def spy(s, st, level=None):
         tree = propose(s, st, level)
         seen.append(([list(x) for x in st.seqs], tree, tree.tokens.clone()))
+        if after is not None:
+            after(sess.proposer, st)
         return tree
 
     sess.proposer.propose = spy

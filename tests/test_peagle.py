@@ -125,11 +125,38 @@ def test_flattened_training_elements_equal_one_forward_drafting():
 
 def test_proposer_drafts_what_the_one_forward_predicts():
     """Every step's chain (ragged batch) is the argmax of the plain forward [pairs..., bonus pair, mask x (K-1)];
-    also for a row that takes over the slot of a finished one (the proposer's per-slot block buffers)."""
+    also for a row that takes over the slot of a finished one. The draft is trained on the target's continuations,
+    so steps accept drafts and rows carry several pending pairs; after every forward the proposer's per-slot block
+    buffers hold only mask slots again."""
+    from nemo_spec.inference import SamplingParams, generate
+    from tests.inference_utils import accepted_drafts
+
     m = _model(seed=2)
+    prompts = [p for p, _ in SLOT_REUSE_ROWS]
+    seqs = [p + o.tokens for p, o in zip(prompts, generate(m, prompts, SamplingParams(max_new_tokens=10)))]
+    train_draft(m, torch.tensor([q[:11] for q in seqs]), 60)
+    m.eval()
     K = 3
-    seen, _ = recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K})
-    assert len(seen) >= 4
+    admitted = []  # (the slot held a previous row's pairs, it holds only mask slots after admission)
+
+    def all_mask(prop, rows):
+        return bool((prop.blk_tok[rows] == prop.mask_token_id).all() and (prop.blk_feat[rows] == prop.mask_feat).all())
+
+    def blocks_reset(prop, st):
+        assert all_mask(prop, slice(0, st.b)) and max(prop.pend_n[:st.b]) == 0  # the forward consumed them
+        if "admit" not in vars(prop):  # from the first step on, check every admission too
+            orig = prop.admit
+
+            def admit(sess, slot, row):
+                stale = not all_mask(prop, slot)
+                orig(sess, slot, row)
+                admitted.append((stale, all_mask(prop, slot)))
+            prop.admit = admit
+
+    seen, results = recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K}, after=blocks_reset)
+    assert len(seen) >= 4 and admitted and all(ok for _, ok in admitted)
+    assert any(stale for stale, _ in admitted)  # a finished row had left pending pairs in the reused slot
+    assert sum(accepted_drafts(r) for r in results) >= 3, [r.stats["accept_hist"] for r in results]
     assert any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
     ids_of = m.draft_vocab_ids()
     for seqs, _, tokens in seen:

@@ -100,10 +100,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
     Decode steps, verification blocks and draft trees are a few tokens wide, and which CPU kernel is faster for
     such shapes depends on the machine: on one 2-core host the transposed product was up to ~1.5x faster
-    in-model (small base, one thread: 1 row 9.4 vs 8.0 ms per forward); on another ``F.linear`` was 1.3-2x
-    faster for 2-10 rows (the same base: AR +5%, EAGLE-3 verification 10.8 -> 8.7 ms). So the choice is
-    measured once per weight shape and row count (:func:`transposed_faster`). Same math; the summation order
-    may differ in the last bits, as between any two GEMM kernels.
+    in-model (small base, one thread: 1 row 9.4 vs 8.0 ms per forward); on another ``F.linear`` was 1.2-2x
+    faster for 2-10 rows (the same base, 5-token verification forward 9.6 vs 8.3 ms). So the choice is measured
+    once per weight shape and row count (:func:`transposed_faster`), at first use (a one-off pause of a few ms
+    per shape). Same math; the summation order may differ in the last bits, as between any two GEMM kernels, so
+    runs that must be bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear``.
     """
     if x.device.type == "cpu":
         rows = x.numel() // x.shape[-1]
