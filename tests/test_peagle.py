@@ -154,7 +154,7 @@ def test_proposer_drafts_what_the_one_forward_predicts():
             prop.admit = admit
 
     seen, results = recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K}, after=blocks_reset)
-    assert len(seen) >= 4 and admitted and all(ok for _, ok in admitted)
+    assert len(seen) >= 3 and admitted and all(ok for _, ok in admitted)
     assert any(stale for stale, _ in admitted)  # a finished row had left pending pairs in the reused slot
     assert sum(accepted_drafts(r) for r in results) >= 3, [r.stats["accept_hist"] for r in results]
     assert any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
