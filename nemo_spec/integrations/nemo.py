@@ -116,4 +116,3 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached."""
         self._maybe_apply_transform(trainer)
-

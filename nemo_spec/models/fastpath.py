@@ -77,15 +77,15 @@ def transposed_faster(weight: torch.Tensor, rows: int) -> bool:
     """The small-row kernel choice for ``weight`` and ``rows`` on CPU (see :data:`SMALL_GEMM`): measured once per
     weight shape, row count, dtype and thread count, then looked up by the weight's identity (a reused id can only
     pick the slower of two kernels that compute the same product)."""
-    choice = _BY_WEIGHT.get((id(weight), rows))
-    if choice is not None and SMALL_GEMM == "auto":
-        return choice
     if SMALL_GEMM == "linear":
         return False
     if SMALL_GEMM == "transposed":
         return True
     if SMALL_GEMM != "auto":
         raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
+    choice = _BY_WEIGHT.get((id(weight), rows))
+    if choice is not None:
+        return choice
     key = (tuple(weight.shape), rows, weight.dtype, torch.get_num_threads())
     choice = _SMALL_GEMM_CHOICE.get(key)
     if choice is None:

@@ -88,9 +88,8 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
             self.blk_feat = self.mask_feat[None, None].expand(self.slots, self.width, h).clone()
             self.blk_tok = torch.full((self.slots, self.width), self.mask_token_id, dtype=torch.long, device=dev)
 
-    def _reset_blocks(self, rows: "int | slice", n: int) -> None:
-        """Rows ``rows`` (an int: rows [0, rows)), entries [0, n) back to mask slots."""
-        rows = slice(0, rows) if isinstance(rows, int) else rows
+    def _reset_blocks(self, rows: slice, n: int) -> None:
+        """Slots ``rows``, entries [0, n) back to mask slots."""
         self.blk_feat[rows, :n] = self.mask_feat
         self.blk_tok[rows, :n] = self.mask_token_id
 
@@ -145,7 +144,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         b, K, dev = st.b, f.shape[1], f.device
         tok, val = pad_chains(res.emitted, n=K, pad=self.mask_token_id, device=dev)
         self.blk_tok[:b, :K] = tok
-        if bool(all(len(e) == K for e in res.emitted)):
+        if all(len(e) == K for e in res.emitted):
             self.blk_feat[:b, :K] = f
         else:  # shorter paths keep their mask slots
             self.blk_feat[:b, :K] = torch.where(val[..., None], f, self.mask_feat)
@@ -173,7 +172,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
                            max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
         hid, _ = self.spec.draft_step(tok, feat, ctx, head=False)
         view.lengths += npend
-        self._reset_blocks(b, width)
+        self._reset_blocks(slice(0, b), width)
         self.pend_n[:b] = [0] * b
         st.count_draft(1)
         if k == 0:
