@@ -96,3 +96,14 @@ def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int =
                for p, sp in rows]
     sess.run()
     return seen, [sess.result(h) for h in handles]
+
+
+def train_on_own_continuations(model, prompts: Sequence[List[int]], steps: int, length: int = 11):
+    """Train ``model``'s draft for ``steps`` steps on the first ``length`` tokens of each prompt followed by the
+    target's own greedy continuation (so verification accepts its drafts); returns the model in eval mode."""
+    from nemo_spec.inference import generate
+    from tests.speculative_utils import train_draft
+
+    outs = generate(model, [list(p) for p in prompts], SamplingParams(max_new_tokens=length))
+    train_draft(model, torch.tensor([(list(p) + o.tokens)[:length] for p, o in zip(prompts, outs)]), steps)
+    return model.eval()

@@ -8,7 +8,7 @@ from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.speculative.peagle import (PEagleDraft, cod_element_counts, flatten_cod,
                                           peagle_attention_mask)
 from tests.helpers import tiny_llama
-from tests.inference_utils import SLOT_REUSE_ROWS, recorded_proposals
+from tests.inference_utils import SLOT_REUSE_ROWS, recorded_proposals, train_on_own_continuations
 from tests.speculative_utils import perturb_draft, train_draft
 
 torch.set_num_threads(1)
@@ -128,14 +128,9 @@ def test_proposer_drafts_what_the_one_forward_predicts():
     also for a row that takes over the slot of a finished one. The draft is trained on the target's continuations,
     so steps accept drafts and rows carry several pending pairs; after every forward the proposer's per-slot block
     buffers hold only mask slots again."""
-    from nemo_spec.inference import SamplingParams, generate
     from tests.inference_utils import accepted_drafts
 
-    m = _model(seed=2)
-    prompts = [p for p, _ in SLOT_REUSE_ROWS]
-    seqs = [p + o.tokens for p, o in zip(prompts, generate(m, prompts, SamplingParams(max_new_tokens=10)))]
-    train_draft(m, torch.tensor([q[:11] for q in seqs]), 60)
-    m.eval()
+    m = train_on_own_continuations(_model(seed=2), [p for p, _ in SLOT_REUSE_ROWS], 60)
     K = 3
     admitted = []  # (the slot held a previous row's pairs, it holds only mask slots after admission)
 

@@ -78,28 +78,22 @@ def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
     whose logits the proposer computes for the root rows only."""
     import torch
 
-    from nemo_spec.inference import SamplingParams, generate
     from nemo_spec.models import build_gpt
     from nemo_spec.speculative import SpeculativeTransform
     from tests.helpers import tiny_llama
-    from tests.inference_utils import SLOT_REUSE_ROWS, accepted_drafts, recorded_proposals
-    from tests.speculative_utils import perturb_draft, train_draft
+    from tests.inference_utils import SLOT_REUSE_ROWS, accepted_drafts, recorded_proposals, train_on_own_continuations
+    from tests.speculative_utils import perturb_draft
 
     torch.manual_seed(0)
     kw = {"draft_vocab_size": 64} if alg == "eagle3" else {}
     m = SpeculativeTransform(algorithm=alg, **kw)(build_gpt(tiny_llama(num_layers=3, init_method_std=0.1)))
     if alg == "eagle3":
         m.set_draft_vocab(torch.arange(96, 0, -1).float())
-    m = perturb_draft(m, 1).eval()
-    rows = SLOT_REUSE_ROWS
     # trained on the target's own continuations, so verification accepts drafts and the catch-up runs over
     # several pairs per row
-    seqs = [p + o.tokens for p, o in zip([r[0] for r in rows], generate(m, [r[0] for r in rows],
-                                                                        SamplingParams(max_new_tokens=10)))]
-    train_draft(m, torch.tensor([q[:11] for q in seqs]), 40)
-    m.eval()
+    m = train_on_own_continuations(perturb_draft(m, 1).eval(), [p for p, _ in SLOT_REUSE_ROWS], 40)
     K = 3
-    seen, results = recorded_proposals(m, "eagle", rows, {"num_draft_tokens": K})
+    seen, results = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K})
     assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
     assert sum(accepted_drafts(r) for r in results) >= 3
     for seqs, _, tokens in seen:

@@ -26,6 +26,17 @@ def readme_snippet() -> str:
     return block.group(1)
 
 
+def train_readme_snippet_with(tmp: Path, max_steps: int, transform: str):
+    """Run README's llm.train snippet with its SpeculativeTransform(...) replaced by ``transform`` (source text);
+    returns (namespace, Record callback) of :func:`build`."""
+    ns, rec = build(tmp, max_steps)
+    eagle = "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)"
+    code = readme_snippet()
+    assert eagle in code
+    exec(compile(code.replace(eagle, transform), "README snippet", "exec"), ns)
+    return ns, rec
+
+
 class Record(pl.Callback):
     """What the run did: draft/base tensors at train start, the optimizer's parameters, losses, start step."""
 
@@ -233,12 +244,8 @@ def test_dflash_q_k_norm_gradients_are_summed_in_nemos_finalize(tmp_path, monkey
     calls = []
     orig = parallel.all_reduce_tp_partial_grads
     monkeypatch.setattr(parallel, "all_reduce_tp_partial_grads", lambda m: calls.append(m) or orig(m))
-    ns, rec = build(tmp_path, 2)
-    eagle = "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)"
-    code = readme_snippet()
-    assert eagle in code
-    exec(compile(code.replace(eagle, "SpeculativeTransform(algorithm='dflash', num_layers=1, block_size=4, "
-                                     "target_layer_ids=[0], mask_token_id=0)"), "dflash snippet", "exec"), ns)
+    ns, rec = train_readme_snippet_with(tmp_path, 2, "SpeculativeTransform(algorithm='dflash', num_layers=1, "
+                                                     "block_size=4, target_layer_ids=[0], mask_token_id=0)")
     assert not ns["model"].config.qk_layernorm
     assert len(calls) == 2 and all(m is rec.spec and m.algorithm == "dflash" for m in calls), calls
     assert parallel.tp_partial_grad_params(rec.spec) and all(l == l for l in rec.losses)
@@ -259,11 +266,8 @@ def test_peagle_depth_warmup_follows_nemos_step(tmp_path, monkeypatch):
         return res
 
     monkeypatch.setattr(peagle, "peagle_losses", spy)
-    ns, rec = build(tmp_path, 2)
-    eagle = "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)"
-    code = readme_snippet()
-    exec(compile(code.replace(eagle, "SpeculativeTransform(algorithm='peagle', num_eagle_layers=1, parallel_depth=3, "
-                                     "mask_token_id=0, depth_warmup_steps=1)"), "peagle snippet", "exec"), ns)
+    _, rec = train_readme_snippet_with(tmp_path, 2, "SpeculativeTransform(algorithm='peagle', num_eagle_layers=1, "
+                                                    "parallel_depth=3, mask_token_id=0, depth_warmup_steps=1)")
     assert rec.spec.algorithm == "peagle"
     assert sorted(set(seen)) == [(0, 1), (1, 3)], seen
     assert all(l == l for l in rec.losses)
