@@ -156,3 +156,59 @@ def test_decode_and_verify_steps_never_sync_the_device(method, temperature):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(sess.result(h).finish_reason == "length" for h in range(4))
+
+
+def test_decode_context_equals_the_one_node_block_context():
+    """decode_context (the plain step's context) == block_context of a one-node block: positions, write slots,
+    attended cache slots (ragged lengths, left padding, one row without padding: no mask at all)."""
+    from nemo_spec.inference.trees import block_context, decode_context
+    from nemo_spec.models.attention import KVCache
+
+    for lengths, starts in (([7, 3, 11], [2, 0, 5]), ([9], [0])):
+        b = len(lengths)
+        kv = KVCache(2, b, 32, 1, 4, torch.float32, torch.device("cpu"))
+        kv.lengths.copy_(torch.tensor(lengths))
+        kv.starts.copy_(torch.tensor(starts))
+        one = torch.ones(b, 1, 1, dtype=torch.bool)
+        ref = block_context(kv, one, torch.zeros(b, 1, dtype=torch.long), 10, max_length=max(lengths))
+        got = decode_context(kv, max(lengths), 10, unpadded=not any(starts))
+        assert torch.equal(got.position_ids, ref.position_ids) and torch.equal(got.write_slots, ref.write_slots)
+        assert got.kv_len == ref.kv_len and got.write_start() == ref.write_start()
+        assert (got.sdpa_mask() is None) == (b == 1)
+        want = ref.mask[:, None] if ref.sdpa_mask() is None else ref.sdpa_mask()
+        assert torch.equal(want, got.sdpa_mask() if b > 1 else torch.ones_like(want))
+
+
+@pytest.mark.parametrize("method", ["ar", "prompt_lookup"])
+def test_the_plain_decode_step_equals_the_empty_tree_verification(model, method, monkeypatch):
+    """Engine.decode_one (empty trees without the tree machinery) gives the tokens, accepted counts and stats of
+    the tree path: greedy and seeded sampled rows mixed, ragged rows joining and leaving mid-flight; prompt
+    lookup mixes plain steps (no row found a match) and speculative ones."""
+    from nemo_spec.inference.engine import Engine
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3], [1, 2], [4, 4, 4], [8, 1, 8, 1, 8]]
+    opts = {"ignore_eos": True, "num_draft_tokens": 3}
+    plain_steps = []
+    decode_one = Engine.decode_one
+
+    def counted(self, *a):
+        plain_steps.append(1)
+        return decode_one(self, *a)
+
+    monkeypatch.setattr(Engine, "decode_one", counted)
+
+    def run(plain):
+        monkeypatch.setattr(Engine, "plain_decode", plain)
+        sess = Session(model, method, options=opts, max_batch=3, prefill_chunk_tokens=6)
+        hs = [sess.add(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i,
+                                         max_new_tokens=5 + 3 * i)) for i, p in enumerate(prompts)]
+        sess.run()
+        res = [sess.result(h) for h in hs]
+        return [(r.tokens, r.stats["accept_hist"], r.stats["target_forwards"]) for r in res]
+
+    plain = run(True)
+    n_plain = len(plain_steps)
+    assert run(False) == plain
+    assert n_plain > 0 and len(plain_steps) == n_plain  # plain steps were taken, by the first run only
+    if method == "prompt_lookup":
+        assert any(sum(h[1:]) for _, h, _ in plain)  # and speculative steps accepted drafts

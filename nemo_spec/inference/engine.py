@@ -21,7 +21,7 @@ from nemo_spec.models import GPTOutput, KVCache, gpt_forward, model_config, unwr
 from nemo_spec.inference.sampling import (RowRNG, SamplingError, SamplingParams, sample_from, tree_accept_rows,
                                           warp_rows)
 from nemo_spec.inference.transfer import allowed_sync, h2d
-from nemo_spec.inference.trees import ancestor_mask, block_context
+from nemo_spec.inference.trees import ancestor_mask, block_context, decode_context
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,9 @@ class Engine:
     an unloaded model, or its caches, alive.
     """
 
+    #: plain decode steps (empty trees) take :meth:`decode_one`; False runs them through the tree machinery
+    plain_decode = True
+
     def __init__(self, model: torch.nn.Module) -> None:
         from nemo_spec.models.foreign import require_project_spec
 
@@ -261,12 +264,13 @@ class Engine:
         path in the cache; one device -> host read of the accepted tokens."""
         b, dev = st.b, self.device
         n = tree.tokens.shape[1]
+        if n == 0 and self.plain_decode:
+            return self.decode_one(st, aux_layers, kv, pending)
         blk_tok = torch.cat([pending[:, None], tree.tokens.to(dev)], 1)
         blk_par = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), tree.parents.to(dev)], 1)
         blk_val = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), tree.valid.to(dev)], 1)
         anc, depth = ancestor_mask(blk_par, blk_val)
-        ctx = block_context(kv, anc, depth, self.cfg.max_position_embeddings, max_length=max(st.lengths),
-                            single_decode=n == 0)
+        ctx = block_context(kv, anc, depth, self.cfg.max_position_embeddings, max_length=max(st.lengths))
         out = gpt_forward(self.target, blk_tok, ctx, aux_layers=aux_layers)
         m, path, nxt = accept_block(st, tree, out.logits, blk_tok, blk_par, blk_val, anc, depth)
         D = path.shape[1] - 1
@@ -285,6 +289,37 @@ class Engine:
             row.target_forwards += 1
             row.accept_hist.append(k)
         return StepResult(out=out, paths=paths, emitted=emits, path=path, accepted=m)
+
+
+    def decode_one(self, st: StepState, aux_layers: Sequence[int], kv: KVCache,
+                   pending: torch.Tensor) -> StepResult:
+        """The empty tree (a plain autoregressive step) without the tree machinery: the same tokens as
+        :meth:`verify` of an empty tree (the same uniforms are drawn: the tree rule takes two per sampled row and
+        samples the target's token with the first), in a fraction of its tensor ops. Session rows have no left
+        padding (cache starts are 0)."""
+        b, dev = st.b, self.device
+        ctx = decode_context(kv, max(st.lengths), self.cfg.max_position_embeddings, unpadded=True)
+        out = gpt_forward(self.target, pending[:, None], ctx, aux_layers=aux_layers)
+        logits = out.logits[:, 0]
+        nxt = logits.argmax(-1)
+        samp = [r for r, p in enumerate(st.params) if not p.greedy]
+        if samp:
+            u = torch.zeros(b)
+            for r in samp:
+                u[r] = st.rng.uniform(2, [r])[0, 0]
+            mask = torch.zeros(b, dtype=torch.bool)
+            mask[samp] = True
+            smp = sample_from(warp_rows(logits, st.params), h2d(u, dev))
+            nxt = torch.where(h2d(mask, dev), smp, nxt)
+        kv.lengths += 1
+        with allowed_sync():
+            toks = nxt.tolist()  # the step's one device -> host read
+        for row in st.rows:
+            row.target_forwards += 1
+            row.accept_hist.append(0)
+        zero = torch.zeros(b, dtype=torch.long, device=dev)
+        return StepResult(out=out, paths=[[0] for _ in range(b)], emitted=[[t] for t in toks], path=zero[:, None],
+                          accepted=zero)
 
 
 def accept_block(st: StepState, tree: DraftTree, logits: torch.Tensor, blk_tok: torch.Tensor,

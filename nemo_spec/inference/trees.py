@@ -131,6 +131,27 @@ def block_context(cache: KVCache, anc: torch.Tensor, depth: torch.Tensor, max_po
     return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=kv, **hints)
 
 
+def decode_context(cache: KVCache, max_length: int, max_pos: int, unpadded: bool = False) -> AttnContext:
+    """Context for one new entry per row right after its committed entries (a plain decode step): the same
+    context as :func:`block_context` of a one-node block, built in a few tensor ops. ``max_length``: the largest
+    committed length (host value); ``unpadded``: no row has left padding (then, with one row, the mask allows
+    everything and is not built)."""
+    lengths, starts = cache.lengths, cache.starts
+    b = lengths.shape[0]
+    kv = int(max_length) + 1
+    if kv > cache.max_len:
+        raise SamplingError(f"KV cache overflow: need {kv} slots, cache has {cache.max_len}")
+    pos = (lengths - starts)[:, None].clamp(max=max_pos - 1)
+    write = lengths[:, None].clone()
+    if b == 1 and unpadded:
+        return AttnContext(position_ids=pos, mask=None, cache=cache, write_slots=write, kv_len=kv, mask_all=True,
+                           first_write=int(max_length))
+    j = torch.arange(kv, device=lengths.device)[None]
+    mask = ((j >= starts[:, None]) & (j <= lengths[:, None]))[:, None, :]
+    return AttnContext(position_ids=pos, mask=mask, cache=cache, write_slots=write, kv_len=kv, mask_all=False,
+                       first_write=int(max_length) if b == 1 else -1)
+
+
 def prefill_context(cache: KVCache, prompt_lens: torch.Tensor, width: int) -> AttnContext:
     """Context for left-padded prompts [b, width]: sets cache starts/lengths; pad queries attend to themselves."""
     dev = prompt_lens.device
