@@ -4,10 +4,7 @@ For one base (+ draft) and one prompt set, measures tokens/s, tau and greedy agr
 for: our ``ar``, ``prompt_lookup``, ``draft_model`` (with a draft GPT), ``eagle``/``eagle_tree`` (EAGLE
 model) or ``medusa`` (Medusa model); and the same weights exported to Hugging Face format run through
 transformers ``generate`` — plain, ``prompt_lookup_num_tokens`` and ``assistant_model`` (transformers'
-assisted decoding is batch-1 only). On a CPU with several threads, transformers' batch-1 plain and prompt
-lookup also run on one thread (``*_1thread`` rows; our engine may run small steps on one thread, see
-:mod:`nemo_spec.inference.threads`) and every comparison takes transformers' faster row.
-Writes JSON, a markdown table and a PNG plot.
+assisted decoding is batch-1 only). Writes JSON, a markdown table and a PNG plot.
 """
 from __future__ import annotations
 
@@ -100,18 +97,8 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
            assistant: Any = None, prompt_lookup_tokens: int = 10, warmup: bool = True,
-           repeats: int = 1, threads: Optional[int] = None) -> Dict[str, Any]:
-    """Greedy transformers generate (mode: plain | prompt_lookup | assistant_model) over all prompts; ``threads``:
-    run on that many CPU threads (its row is then ``<mode>_<threads>thread``)."""
-    if threads is not None:
-        n = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            r = run_hf(hf_model, prompts, mode, batch_size, max_new_tokens, pad_id, assistant, prompt_lookup_tokens,
-                       warmup, repeats)
-        finally:
-            torch.set_num_threads(n)
-        return {**r, "method": f"{mode}_{threads}thread"}
+           repeats: int = 1) -> Dict[str, Any]:
+    """Greedy transformers generate (mode: plain | prompt_lookup | assistant_model) over all prompts."""
     dev = hf_model.device
 
     def call(chunk: Sequence[List[int]], n_new: int) -> List[List[int]]:
@@ -160,7 +147,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               warmup: bool = True, repeats: int = 3, tree_options: Optional[Dict[str, Any]] = None,
               suffix_options: Optional[Dict[str, Any]] = None,
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
-              compile_mode: Optional[str] = None, fixed_threads: bool = False,
+              compile_mode: Optional[str] = None,
               extra_models: Sequence[torch.nn.Module] = ()) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
@@ -169,8 +156,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
-    with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; with
-    ``fixed_threads`` as ``<method>+fixed_threads`` (option ``tune_threads`` off: torch's thread count throughout).
+    with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``.
     ``extra_models``: further speculative models on the same base (e.g. P-EAGLE and DFlash drafts next to an
     EAGLE-3 one); their draft methods join the same round robin (a method the main model has, or an earlier extra, gets ``@<i>``).
     """
@@ -199,10 +185,6 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True})))
-            if fixed_threads:
-                jobs.append((f"nemo_spec {m}+fixed_threads batch {b}", functools.partial(
-                    _relabel, f"{m}+fixed_threads", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
-                    {**(opts or {}), "tune_threads": False})))
             if compile_mode:
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
                     _relabel, f"{m}+compiled", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
@@ -244,8 +226,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
-                            "adaptive": adaptive, "compile": compile_mode, "fixed_threads": fixed_threads,
-                            "threads": torch.get_num_threads(),
+                            "adaptive": adaptive, "compile": compile_mode,
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
 
@@ -302,12 +283,6 @@ def _hf_jobs(stack: contextlib.ExitStack, model: torch.nn.Module, draft_model: O
     k = int((options or {}).get("num_draft_tokens", 10))
     jobs.append(("transformers prompt_lookup batch 1", functools.partial(
         run_hf, hf_model, prompts, "prompt_lookup", 1, max_new_tokens, pad_id, prompt_lookup_tokens=k)))
-    if dev.type == "cpu" and torch.get_num_threads() > 1 and 1 in batch_sizes:
-        # our engine may run small steps on one thread (inference/threads.py): transformers gets that chance too,
-        # and comparisons take its faster thread count
-        jobs += [(f"transformers {mode} batch 1 (1 thread)", functools.partial(
-            run_hf, hf_model, prompts, mode, 1, max_new_tokens, pad_id, prompt_lookup_tokens=k, threads=1))
-            for mode in ("plain", "prompt_lookup")]
     if draft_model is not None:
         assistant = _load_hf(export_hf(unwrap(draft_model), tmp / "draft", dtype=dtype), dev, dtype)
         jobs.append(("transformers assistant_model batch 1", functools.partial(
@@ -326,8 +301,8 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
             r["matches_ar"] = sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref)
     summary: Dict[str, Any] = {}
     for b, r in ar.items():
-        hf_plain = max((x for x in rows if x["engine"] == "transformers" and x["method"] in ("plain", "plain_1thread")
-                        and x["batch_size"] == b), key=lambda x: x["tokens_per_s"], default=None)
+        hf_plain = next((x for x in rows if x["engine"] == "transformers" and x["method"] == "plain"
+                         and x["batch_size"] == b), None)
         if hf_plain:
             summary[f"ar_vs_transformers_b{b}"] = r["tokens_per_s"] / hf_plain["tokens_per_s"]
         spec = [x for x in rows if x["engine"] == "nemo_spec" and x["method"].split("+")[0] != "ar"
@@ -379,9 +354,7 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
     if "ar_vs_transformers_b1" in summary:
         add("our AR tokens/s vs transformers generate", summary["ar_vs_transformers_b1"], TARGET_AR_VS_TRANSFORMERS)
     pl = next((r for r in b1 if r["method"] == "prompt_lookup"), None)
-    hf_pl = max((r for r in rows if r["engine"] == "transformers"
-                 and r["method"] in ("prompt_lookup", "prompt_lookup_1thread")),
-                key=lambda r: r["tokens_per_s"], default=None)
+    hf_pl = next((r for r in rows if r["engine"] == "transformers" and r["method"] == "prompt_lookup"), None)
     ar = next((r for r in b1 if r["method"] == "ar"), None)
     for r in b1:
         if r["method"] not in ("suffix", "suffix_global"):
@@ -517,9 +490,6 @@ def build_parser():
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="also run every method with its decode step compiled (<method>+compiled rows; "
                         "mode default: 'default', 'reduce-overhead' = CUDA graphs on a GPU)")
-    p.add_argument("--fixed-threads", action="store_true",
-                   help="also run every method with torch's thread count throughout (<method>+fixed_threads rows: "
-                        "option tune_threads off)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -572,7 +542,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
-                       compile_mode=args.compile, fixed_threads=args.fixed_threads, extra_models=extras)
+                       compile_mode=args.compile, extra_models=extras)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

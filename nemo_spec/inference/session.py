@@ -21,11 +21,10 @@ sit above. ``generate()`` is a loop over a session with every prompt added up fr
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,7 +36,6 @@ from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, Pr
 from nemo_spec.inference.sampling import SamplingError, SamplingParams, row_generators
 from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
 from nemo_spec.inference.proposers.common import chain_block, last_valid
-from nemo_spec.inference.threads import ThreadTuner
 from nemo_spec.inference.transfer import allowed_sync, h2d, tensor
 from nemo_spec.inference.trees import pad_chains
 
@@ -96,9 +94,8 @@ class Session:
         for key, v in (("max_batch", max_batch), ("prefill_chunk_tokens", chunk)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SamplingError(f"option {key!r} must be an int >= 1, got {v!r}")
-        for key in ("adaptive", "tune_threads"):
-            if not isinstance(options.get(key, False), bool):
-                raise SamplingError(f"option {key!r} must be true or false, got {options[key]!r}")
+        if not isinstance(options.get("adaptive", False), bool):
+            raise SamplingError(f"option 'adaptive' must be true or false, got {options['adaptive']!r}")
         try:
             compile_mode = compiled.resolve_mode(options.get("compile", False))
         except ValueError as err:
@@ -144,9 +141,6 @@ class Session:
             store = self.engine.__dict__.setdefault("adaptive", {})
             key = (self.proposer.name, tuple(self.proposer.levels), self.slots)
             self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
-        self.threads: Optional[ThreadTuner] = None
-        if options.get("tune_threads", True) and self.device.type == "cpu":  # one tuner per model, kept
-            self.threads = self.engine.__dict__.setdefault("threads", ThreadTuner())
         self.level_hist: Dict[int, int] = {}
         self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0}  # wall time of the decode steps, split
         if self.device.type == "cuda":
@@ -260,8 +254,6 @@ class Session:
                                "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k}
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe()
-        if self.threads is not None:
-            out["threads"] = self.threads.describe()
         return out
 
     # ------------------------------------------------------------------ slots
@@ -399,17 +391,13 @@ class Session:
         rows = self.slot_rows[:n]
         st = StepState(rows, self.max_pos)
         level = self.adaptive.choose(n) if self.adaptive is not None else None
-        name = self.proposer.name
         t0 = time.perf_counter()
-        with self._threads(("draft", name), n):
-            tree = self.proposer.propose(self, st, level)
+        tree = self.proposer.propose(self, st, level)
         t1 = time.perf_counter()
-        with self._threads(("verify",), n * (tree.tokens.shape[1] + 1)):
-            res = self.engine.verify(st, tree, self.aux, self.kv.view(0, n), self.pending[:n])
+        res = self.engine.verify(st, tree, self.aux, self.kv.view(0, n), self.pending[:n])
         t2 = time.perf_counter()
         self.pending[:n].copy_(tensor([e[-1] for e in res.emitted], self.device))
-        with self._threads(("update", name), sum(len(p) for p in res.paths)):
-            self.proposer.accepted(self, st, res)
+        self.proposer.accepted(self, st, res)
         t3 = time.perf_counter()
         lv = len(self.proposer.levels) - 1 if level is None else level
         self.level_hist[lv] = self.level_hist.get(lv, 0) + 1
@@ -423,10 +411,6 @@ class Session:
             row.levels[lv] = row.levels.get(lv, 0) + 1
             self._emit(row, res.emitted[r])
         self._drop_finished()
-
-    def _threads(self, phase: tuple, tokens: int) -> ContextManager[None]:
-        """The CPU thread count tuned for this phase and size (see :mod:`nemo_spec.inference.threads`)."""
-        return contextlib.nullcontext() if self.threads is None else self.threads.run(phase, tokens)
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, row: _Row, toks: List[int]) -> None:
