@@ -290,7 +290,6 @@ class Engine:
             row.accept_hist.append(k)
         return StepResult(out=out, paths=paths, emitted=emits, path=path, accepted=m)
 
-
     def decode_one(self, st: StepState, aux_layers: Sequence[int], kv: KVCache,
                    pending: torch.Tensor) -> StepResult:
         """The empty tree (a plain autoregressive step) without the tree machinery: the same tokens as
