@@ -244,14 +244,15 @@ class Engine:
 
     # -- forward passes ----------------------------------------------------------------------------
 
-    def pick(self, st: StepState, logits: torch.Tensor) -> torch.Tensor:
-        """Choose one token per row from logits [b, V] (argmax for greedy rows, seeded sampling otherwise)."""
+    def pick(self, st: StepState, logits: torch.Tensor, draws: int = 1) -> torch.Tensor:
+        """Choose one token per row from logits [b, V] (argmax for greedy rows, seeded sampling otherwise);
+        each sampled row draws ``draws`` uniforms from its generator and samples with the first."""
         tok = logits.argmax(-1)
         samp = [r for r, p in enumerate(st.params) if not p.greedy]
         if samp:
             probs = warp_rows(logits, st.params)
             u = torch.zeros(st.b)
-            u[samp] = st.rng.uniform(1, samp)[:, 0]
+            u[samp] = st.rng.uniform(draws, samp)[:, 0]
             smp = sample_from(probs, h2d(u, logits.device))
             mask = torch.zeros(st.b, dtype=torch.bool)
             mask[samp] = True
@@ -299,17 +300,7 @@ class Engine:
         b, dev = st.b, self.device
         ctx = decode_context(kv, max(st.lengths), self.cfg.max_position_embeddings, unpadded=True)
         out = gpt_forward(self.target, pending[:, None], ctx, aux_layers=aux_layers)
-        logits = out.logits[:, 0]
-        nxt = logits.argmax(-1)
-        samp = [r for r, p in enumerate(st.params) if not p.greedy]
-        if samp:
-            u = torch.zeros(b)
-            for r in samp:
-                u[r] = st.rng.uniform(2, [r])[0, 0]
-            mask = torch.zeros(b, dtype=torch.bool)
-            mask[samp] = True
-            smp = sample_from(warp_rows(logits, st.params), h2d(u, dev))
-            nxt = torch.where(h2d(mask, dev), smp, nxt)
+        nxt = self.pick(st, out.logits[:, 0], draws=2)
         kv.lengths += 1
         with allowed_sync():
             toks = nxt.tolist()  # the step's one device -> host read
