@@ -101,6 +101,10 @@ def test_speculative_greedy_equals_ar(llama, method, kind):
         model = _spec(m, kind)
     outs = generate(model, PROMPTS, sp, method=method, draft_model=draft, options=OPTS)
     assert [o.tokens for o in outs] == ref
+    assert outs[0].stats["session"]["prefill_forwards"] == 1  # 20 padding tokens in 40: within the default
+    # the prefill split by length: rows sorted into slots [1, 2 | 7 | 10 tokens], one forward per group
+    split = generate(model, PROMPTS, sp, method=method, draft_model=draft, options={**OPTS, "prefill_pad_tokens": 2})
+    assert [o.tokens for o in split] == ref and split[0].stats["session"]["prefill_forwards"] == 3
     assert [generate(model, [p], sp, method=method, draft_model=draft, options=OPTS)[0].tokens
             for p in PROMPTS[:2]] == ref[:2]
     _joining(model, method, draft, ref, OPTS)

@@ -5,7 +5,7 @@ import torch
 
 from nemo_spec.inference import SamplingParams, generate
 from nemo_spec.inference.sampling import greedy_tree_accept, tree_accept, tree_accept_rows
-from nemo_spec.inference.session import Session
+from nemo_spec.inference.session import Session, prefill_groups
 from nemo_spec.inference.trees import ancestor_mask, children_lists
 from nemo_spec.models import build_gpt
 from tests.helpers import tiny_llama
@@ -89,6 +89,17 @@ def test_a_late_short_request_gets_its_first_token_at_the_next_step(model):
     ref = generate(model, [[1, 2, 3], [7, 8], list(range(1, 41))],
                    [SamplingParams(max_new_tokens=n) for n in (60, 4, 2)], options={"ignore_eos": True})
     assert [res[h].tokens for h in (long, short, big)] == [r.tokens for r in ref]
+
+
+def test_prefill_groups_bound_the_padding_of_each_forward():
+    """Consecutive slots share a forward while its padded block (slots x longest piece, a slot between that reads
+    nothing counting as padding) exceeds the tokens read by at most the budget."""
+    assert prefill_groups({0: 1, 1: 2, 2: 7, 3: 10}, 2) == [{0: 1, 1: 2}, {2: 7}, {3: 10}]
+    assert prefill_groups({0: 1, 1: 2, 2: 7, 3: 10}, 20) == [{0: 1, 1: 2, 2: 7, 3: 10}]
+    assert prefill_groups({4: 5, 6: 5}, 4) == [{4: 5}, {6: 5}]  # slot 5 between them would pad 5 tokens
+    assert prefill_groups({4: 5, 6: 5}, 5) == [{4: 5, 6: 5}]
+    assert prefill_groups({3: 8, 1: 8, 2: 8}, 0) == [{1: 8, 2: 8, 3: 8}]  # equal pieces never pad
+    assert prefill_groups({}, 0) == []
 
 
 def test_cancel_and_fixed_slots(model):

@@ -50,7 +50,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     ``options``: method knobs (``num_draft_tokens``, ``depth``, ``top_k``, ``total_tokens``, ``score_temperature``,
     ``medusa_choices``, ``max_ngram``, ``min_ngram``), engine knobs (``pad_id``, ``max_cache_len``,
     ``ignore_eos``) and session knobs (``max_batch``: rows generating at once, default all — more prompts join
-    as rows finish; ``prefill_chunk_tokens``; ``adaptive``: choose the draft size per step); an unknown name
+    as rows finish; ``prefill_chunk_tokens``; ``prefill_pad_tokens``; ``adaptive``: choose the draft size per step); an unknown name
     is an error. Runs on :class:`nemo_spec.inference.session.Session`.
     ``on_tokens(row, ids)`` streams accepted tokens; returning False cancels that row. ``on_finish(row, reason)``
     is called when a row ends by itself ("stop" or "length"), before the rest of the batch has finished.

@@ -43,6 +43,29 @@ log = logging.getLogger(__name__)
 
 #: prompt tokens read per step when the caller gives no budget (long prompts are read in chunks of this)
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+#: padding (prompt-piece tokens) one prefill forward may carry before the slots it reads are split over forwards
+DEFAULT_PREFILL_PAD_TOKENS = 128
+
+
+def prefill_groups(chosen: Dict[int, int], pad_tokens: int) -> List[Dict[int, int]]:
+    """Split one step's prefill (slot -> prompt tokens read) into runs of consecutive slots, one forward each.
+
+    A forward over slots ``[lo, hi)`` right-pads every piece to the longest one (and a slot in between that reads
+    nothing is all padding), so a slot joins the current run only while the run's padded block ``(hi - lo) x
+    longest`` stays within ``pad_tokens`` of the tokens it actually reads; otherwise it starts a new forward.
+    """
+    groups: List[Dict[int, int]] = []
+    cur: Dict[int, int] = {}
+    for s in sorted(chosen):
+        if cur:
+            lo, longest = min(cur), max(max(cur.values()), chosen[s])
+            if (s - lo + 1) * longest - (sum(cur.values()) + chosen[s]) > pad_tokens:
+                groups.append(cur)
+                cur = {}
+        cur[s] = chosen[s]
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 @dataclass(eq=False)
@@ -90,10 +113,12 @@ class Session:
         max_batch = options.get("max_batch", 8) if max_batch is None else max_batch
         chunk = options.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS) \
             if prefill_chunk_tokens is None else prefill_chunk_tokens
+        pad_tokens = options.get("prefill_pad_tokens", DEFAULT_PREFILL_PAD_TOKENS)
         adaptive = bool(options.get("adaptive", False)) if adaptive is None else adaptive
-        for key, v in (("max_batch", max_batch), ("prefill_chunk_tokens", chunk)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise SamplingError(f"option {key!r} must be an int >= 1, got {v!r}")
+        for key, v, least in (("max_batch", max_batch, 1), ("prefill_chunk_tokens", chunk, 1),
+                              ("prefill_pad_tokens", pad_tokens, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise SamplingError(f"option {key!r} must be an int >= {least}, got {v!r}")
         if not isinstance(options.get("adaptive", False), bool):
             raise SamplingError(f"option 'adaptive' must be true or false, got {options['adaptive']!r}")
         try:
@@ -118,6 +143,7 @@ class Session:
         seq = self.max_pos if max_seq_len is None else min(int(max_seq_len), self.max_pos)
         self.slot_len = seq + self.proposer.lookahead + 1
         self.prefill_chunk_tokens = int(chunk)
+        self.prefill_pad_tokens = int(pad_tokens)
         self.aux = self.proposer.aux_layers
         for m in (model, draft_model):
             if m is not None:
@@ -142,6 +168,7 @@ class Session:
             key = (self.proposer.name, tuple(self.proposer.levels), self.slots)
             self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
         self.level_hist: Dict[int, int] = {}
+        self.prefill_forwards = 0
         self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0}  # wall time of the decode steps, split
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -246,7 +273,8 @@ class Session:
     def stats(self) -> Dict[str, Any]:
         """Session-wide counters: steps, and how often each adaptive speculation level was chosen."""
         k = max(self.decode_s["steps"], 1)
-        out: Dict[str, Any] = {"steps": self.steps, "levels": dict(self.level_hist),
+        out: Dict[str, Any] = {"steps": self.steps, "prefill_forwards": self.prefill_forwards,
+                               "levels": dict(self.level_hist),
                                "draft_nodes_per_level": list(self.proposer.levels),
                                "decode_steps": self.decode_s["steps"],
                                # per decode step: proposing (+ the proposer's post-acceptance update) vs verifying
@@ -314,7 +342,7 @@ class Session:
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self) -> None:
-        """One target forward over a chunk of the oldest prompts still being read."""
+        """Target forwards over a chunk of the oldest prompts still being read (one per group of slots)."""
         left = self.prefill_chunk_tokens
         chosen: Dict[int, int] = {}
         for row in self.prefilling:
@@ -323,6 +351,42 @@ class Session:
                 break
             chosen[row.slot] = c
             left -= c
+        chosen = self._sort_prefill_slots(chosen)
+        done: List[_Row] = []
+        firsts: List[torch.Tensor] = []
+        for group in prefill_groups(chosen, self.prefill_pad_tokens):
+            d, f = self._prefill_group(group)
+            done += d
+            if f is not None:
+                firsts.append(f)
+        if not done:
+            return
+        with allowed_sync():
+            first_ids = torch.cat(firsts).tolist()
+        now = time.perf_counter()
+        self.prefilling = [r for r in self.prefilling if r not in done]
+        for row, t in zip(done, first_ids):
+            row.target_forwards += 1
+            row.t_first = now
+            row.first_step = self.steps
+            self._swap(row.slot, self.n_dec)  # into the generating range
+            self.n_dec += 1
+            self._emit(row, [t])
+        self._drop_finished()
+
+    def _sort_prefill_slots(self, chosen: Dict[int, int]) -> Dict[int, int]:
+        """Move the rows being read into the same slots ordered by piece length (shortest first), so that
+        consecutive slots read similar lengths and pad little in one forward; returns the new slot -> tokens."""
+        slots = sorted(chosen)
+        by_len = [self.slot_rows[s] for s in sorted(slots, key=lambda s: chosen[s])]
+        counts = {id(r): chosen[r.slot] for r in by_len}
+        for s, row in zip(slots, by_len):
+            self._swap(row.slot, s)
+        return {row.slot: counts[id(row)] for row in by_len}
+
+    def _prefill_group(self, chosen: Dict[int, int]):
+        """One target forward over slots [min(chosen), max(chosen)] reading ``chosen[slot]`` prompt tokens each;
+        returns the rows whose prompt is now complete and their first tokens (on the device)."""
         lo, hi = min(chosen), max(chosen) + 1
         span = self.slot_rows[lo:hi]
         dev = self.device
@@ -347,6 +411,7 @@ class Session:
         view = self.kv.view(lo, hi)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max(before), padded=True)
         out = gpt_forward(self.engine.target, tok, ctx, aux_layers=self.aux, compute_logits=False)
+        self.prefill_forwards += 1
         counts_dev = tensor(counts, dev)
         view.lengths += counts_dev
         final_idx = [i for i, f in enumerate(final) if f]
@@ -368,21 +433,7 @@ class Session:
                 row.prefilled += c
                 row.length += c
                 row.prefill_chunks += 1
-        if first_dev is None:
-            return
-        with allowed_sync():
-            firsts = first_dev.tolist()
-        now = time.perf_counter()
-        done = [span[i] for i in final_idx]
-        self.prefilling = [r for r in self.prefilling if r not in done]
-        for row, t in zip(done, firsts):
-            row.target_forwards += 1
-            row.t_first = now
-            row.first_step = self.steps
-            self._swap(row.slot, self.n_dec)  # into the generating range
-            self.n_dec += 1
-            self._emit(row, [t])
-        self._drop_finished()
+        return [span[i] for i in final_idx], first_dev
 
     # ------------------------------------------------------------------ decode
     def _decode(self) -> None:
