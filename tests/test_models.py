@@ -1,6 +1,8 @@
 """Model builder: forward shapes, KV-cache incremental decoding, explicit masks, TP=2 == TP=1."""
-import torch
+import time
+
 import pytest
+import torch
 
 from nemo_spec.checkpoint.tp import is_tensor_entry
 from nemo_spec.config import ConfigError, ModelConfig
@@ -80,14 +82,18 @@ def test_tp2_logits_equal_tp1(make, tmp_path):
     assert "TP2_MAX_ERR" in out
 
 
+@pytest.mark.parametrize("gemm", ["linear", "auto"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: tiny_llama(num_query_groups=4, add_qkv_bias=True)])
-def test_fast_inference_path_matches_module_forward(make):
+def test_fast_inference_path_matches_module_forward(make, gemm, monkeypatch):
     """The lean inference path (models/fastpath.py) computes what the megatron modules compute: full causal
-    forward, and cached decoding with a tree-style explicit mask, with the same aux features."""
+    forward, and cached decoding with a tree-style explicit mask, with the same aux features — with F.linear and
+    with the timed small-row kernels (gemm="auto": 1-, 2- and 3-row products over the model's registered weights)."""
     from nemo_spec.models import fastpath
 
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", gemm)
     torch.manual_seed(0)
     m = build_gpt(make()).eval()
+    fastpath.register(m)
     for p in m.parameters():  # non-zero biases so that every bias term is exercised
         if p.dim() == 1:
             torch.nn.init.normal_(p, std=0.1)
@@ -113,6 +119,11 @@ def test_fast_inference_path_matches_module_forward(make):
                               write_slots=torch.arange(6, 9)[None].expand(2, 3), kv_len=9)
             outs[fast] = gpt_forward(m, x[:, 6:9], ctx, fast=fast).logits
         torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+        one = gpt_forward(m, x[:1, :1], fast=True).logits  # a 1-row product
+        torch.testing.assert_close(one, gpt_forward(m, x[:1, :1], fast=False).logits, rtol=1e-5, atol=1e-5)
+    if gemm == "auto":  # the whole model was timed as one group, per row count used
+        group = m.decoder.layers[0].mlp.linear_fc1.weight._nemo_gemm
+        assert {k[2] for k in group.choice} >= {1, 6}
     # with gradients on, the module forward is used (training never takes the fast path)
     assert not fastpath.active()
 
@@ -170,25 +181,52 @@ def test_kv_expansion_for_the_cpu_backward_is_exact():
 
 
 def test_fastpath_small_gemm_kernel_choice(monkeypatch):
-    """CPU products of up to 10 rows: both kernels compute F.linear's product; "auto" measures the faster once per
-    weight shape / row count and caches it; an unknown mode is an error naming the variable."""
+    """CPU products of up to MAX_TUNED_ROWS rows: every candidate kernel (F.linear, the transposed product over x
+    zero-padded to 2 / 4 rows) computes F.linear's product; "auto" times them once per row count over the weights
+    a model registered together and caches the choice in their group; a lone weight gets a group of its own;
+    forced modes override; an unknown mode is an error naming the variable."""
     from nemo_spec.models import fastpath
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
-    for rows in (1, 3, 10, 11):
+    for rows in (1, 3, 5, 10, 16, 17):
         x = torch.randn(2, rows, 16)[:1]  # [1, rows, 16]
         want = torch.nn.functional.linear(x, w, b)
+        for k in fastpath._padded(rows):
+            got = fastpath._run(k, x.reshape(rows, 16), w).view(1, rows, 48) + b
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for mode in ("linear", "transposed", "auto"):
             monkeypatch.setattr(fastpath, "SMALL_GEMM", mode)
             torch.testing.assert_close(fastpath.linear(x, w, b), want, atol=1e-5, rtol=1e-5)
-    keys = [k for k in fastpath._SMALL_GEMM_CHOICE if k[0] == (48, 16)]
-    assert sorted(k[1] for k in keys) == [1, 3, 10]  # measured per row count; 11 rows always take F.linear
+    assert fastpath._padded(1) == [0, 1, 2, 4] and fastpath._padded(5) == [0, 5, 6, 8]
+    assert sorted(k[2] for k in w._nemo_gemm.choice) == [1, 3, 5, 10, 16]  # 17 rows always take F.linear
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    fastpath.register(model)
+    group = model[0].weight._nemo_gemm
+    assert group is model[1].weight._nemo_gemm and len(group.refs) == 2
+    fastpath.register(model)
+    assert model[0].weight._nemo_gemm is group  # re-registering keeps the group (and its timings)
+
+    # the choice follows the timings: make every kernel but the 4-row padded one slow
+    real = fastpath._run
+
+    def timed(kernel, x2, weight):
+        if kernel != 4:
+            time.sleep(2e-3)
+        return real(kernel, x2, weight)
+
+    monkeypatch.setattr(fastpath, "_run", timed)
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")
+    assert fastpath.kernel(model[0].weight, 3) == 4 and fastpath.kernel(model[1].weight, 3) == 4
+    assert {k[2] for k in group.choice} == {3}  # both shapes timed in the one sweep
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "transposed")
-    assert fastpath.transposed_faster(w, 3)  # a forced mode overrides the cached measurement
+    assert fastpath.kernel(model[0].weight, 3) == 3  # a forced mode overrides the cached measurement
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "linear")
+    assert fastpath.kernel(model[0].weight, 3) == 0
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "fastest")
     with pytest.raises(ValueError, match="NEMO_SPEC_SMALL_GEMM"):
-        fastpath.transposed_faster(torch.randn(5, 7), 2)
+        fastpath.kernel(torch.randn(5, 7), 2)
 
 
 def test_rope_qk_equals_apply_rope_exactly():

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_spec.models import GPTOutput, KVCache, gpt_forward, model_config, unwrap
+from nemo_spec.models import GPTOutput, KVCache, fastpath, gpt_forward, model_config, unwrap
 from nemo_spec.inference.sampling import (RowRNG, SamplingError, SamplingParams, sample_from, tree_accept_rows,
                                           warp_rows)
 from nemo_spec.inference.transfer import allowed_sync, h2d
@@ -173,6 +173,7 @@ class Engine:
         from nemo_spec.models.foreign import require_project_spec
 
         require_project_spec(unwrap(model), "generation")  # up front: never a silently wrong forward
+        fastpath.register(model)  # its small-row CPU kernels are timed over all its weights (draft included)
         self._model = weakref.ref(model)
         self._target = weakref.ref(unwrap(model))
         self.cfg = model_config(model)

@@ -28,7 +28,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_spec.models import compiled, new_kv_cache
+from nemo_spec.models import compiled, fastpath, new_kv_cache
 from nemo_spec.models.gpt import gather_vocab, gpt_forward, output_logits
 from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, tau_of,
@@ -127,6 +127,8 @@ class Session:
             raise SamplingError(str(err)) from None
         self.model = model
         self.engine = get_engine(model)
+        if draft_model is not None:
+            fastpath.register(draft_model)
         self.proposer: Proposer = make_proposer(method, model, self.engine, draft_model, options)
         self.method = method
         self.tokenizer = tokenizer

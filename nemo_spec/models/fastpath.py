@@ -19,15 +19,19 @@ the module forward for the Llama and GPT-2 families, with caches, masks and at T
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-from typing import Any, Dict, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
 
 from nemo_spec import parallel
+
+log = logging.getLogger(__name__)
 
 #: Set to False to run generation through the modules' own forward (for debugging / comparisons).
 ENABLED = True
@@ -43,73 +47,121 @@ def _tp_group() -> Any:
     return ps.get_tensor_model_parallel_group()
 
 
-#: How the fast path computes CPU products of up to 10 rows: "auto" (default) times both kernels once per weight
-#: shape, row count, dtype and thread count on the weight itself and keeps the faster; "linear" always
+#: How the fast path computes CPU products of few rows (decode steps, verification blocks, draft trees): "auto"
+#: (default) times the candidate kernels on the machine and keeps the fastest (see :func:`tune`); "linear" always
 #: ``F.linear``; "transposed" always ``(W @ x^T)^T``. Environment variable ``NEMO_SPEC_SMALL_GEMM``.
 SMALL_GEMM = os.environ.get("NEMO_SPEC_SMALL_GEMM", "auto")
-_SMALL_GEMM_CHOICE: Dict[Tuple[Any, ...], bool] = {}
-_BY_WEIGHT: Dict[Tuple[int, int], bool] = {}
+#: row counts up to this get a timed kernel choice; larger products always take ``F.linear``
+MAX_TUNED_ROWS = 16
 
 
-def _transposed(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (weight @ x2.t()).t().contiguous()
+class WeightGroup:
+    """The linear weights of one model (see :func:`register`), timed together: a kernel is timed while sweeping
+    all of them in turn, as a forward does, so each weight is read cold from memory as in the model — timing one
+    small weight over and over measures it hot in the cache, which on CPU can favour the other kernel."""
+
+    def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+        self.refs = [weakref.ref(w) for w in weights]
+        self.choice: Dict[Tuple[Any, ...], int] = {}  # (shape, dtype, rows, threads) -> kernel (see :func:`tune`)
 
 
-def _time_kernels(weight: torch.Tensor, rows: int, rounds: int = 9, calls: int = 4, margin: float = 0.9) -> bool:
-    """Whether ``(W @ x^T)^T`` beats ``F.linear`` for ``rows`` rows on ``weight`` by more than ``margin`` (median
-    of alternating rounds; near-equal timings keep the standard kernel, so noise cannot pick the other)."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    t = {True: [], False: []}
-    for _ in range(2):  # warm both
-        _transposed(x, weight)
-        F.linear(x, weight)
-    for _ in range(rounds):
-        for tr in (True, False):
-            s = time.perf_counter()
-            for _ in range(calls):
-                _transposed(x, weight) if tr else F.linear(x, weight)
-            t[tr].append(time.perf_counter() - s)
-    med = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
-    return med[True] < margin * med[False]
+def register(module: torch.nn.Module) -> None:
+    """Group the CPU weight matrices of ``module`` (a model, its draft included) so that their small-row kernels
+    are timed together, on first use of each row count; re-registering a module is a no-op."""
+    ws = [p for p in module.parameters() if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"]
+    if not ws:
+        return
+    first = getattr(ws[0], "_nemo_gemm", None)
+    if first is not None and len(first.refs) == len(ws) and all(getattr(w, "_nemo_gemm", None) is first for w in ws):
+        return
+    group = WeightGroup(ws)
+    for w in ws:
+        w._nemo_gemm = group
 
 
-def transposed_faster(weight: torch.Tensor, rows: int) -> bool:
-    """The small-row kernel choice for ``weight`` and ``rows`` on CPU (see :data:`SMALL_GEMM`): measured once per
-    weight shape, row count, dtype and thread count, then looked up by the weight's identity (a reused id can only
-    pick the slower of two kernels that compute the same product)."""
-    if SMALL_GEMM == "linear":
-        return False
+def _padded(rows: int) -> List[int]:
+    """Candidate kernels for ``rows`` rows: 0 = ``F.linear``; k >= rows = ``(W @ x^T)^T`` over x zero-padded to k
+    rows (CPU GEMMs with 2 or 4 right-hand columns can stream the weight faster than a 1-row GEMV)."""
+    return [0] + sorted({rows, -(-rows // 2) * 2, -(-rows // 4) * 4})
+
+
+def _run(kernel: int, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x2.shape[0]
+    if kernel == 0:
+        return F.linear(x2, weight)
+    if kernel > rows:
+        x2 = torch.cat([x2, x2.new_zeros(kernel - rows, x2.shape[1])])
+    return (weight @ x2.t()).t()[:rows].contiguous()
+
+
+def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) -> None:
+    """Choose the kernel of every weight shape of ``group`` for ``rows`` rows: each candidate of :func:`_padded`
+    sweeps all the group's weights (one warm-up sweep, then ``sweeps`` timed ones, candidates alternating), each
+    call timed; per shape the candidate with the lowest median total wins, ``F.linear`` unless another is faster
+    by more than ``margin`` (so noise cannot pick a kernel that is not really faster)."""
+    weights = [w for w in (r() for r in group.refs) if w is not None]
+    cands = _padded(rows)
+    xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    spent: Dict[Tuple[Any, ...], List[float]] = {}
+    with torch.no_grad():
+        for sweep in range(sweeps + 1):
+            for c in (cands if sweep % 2 else cands[::-1]):
+                tot: Dict[Tuple[Any, ...], float] = {}
+                for w in weights:
+                    x2 = xs[(w.shape[1], w.dtype)]
+                    t0 = time.perf_counter()
+                    _run(c, x2, w)
+                    key = (tuple(w.shape), w.dtype, c)
+                    tot[key] = tot.get(key, 0.0) + time.perf_counter() - t0
+                if sweep:
+                    for key, t in tot.items():
+                        spent.setdefault(key, []).append(t)
+    threads = torch.get_num_threads()
+    for shape, dtype in {(tuple(w.shape), w.dtype) for w in weights}:
+        med = {c: sorted(spent[(shape, dtype, c)])[sweeps // 2] for c in cands}
+        best = min(cands[1:], key=lambda c: med[c])
+        group.choice[(shape, dtype, rows, threads)] = best if med[best] < margin * med[0] else 0
+    log.debug("small-row CPU kernels for %d rows: %s", rows,
+              {k[0]: v for k, v in group.choice.items() if k[2] == rows})
+
+
+def kernel(weight: torch.Tensor, rows: int) -> int:
+    """The kernel for ``rows`` rows of ``weight`` on CPU (see :data:`SMALL_GEMM`, :func:`_padded`): timed once
+    per weight group, shape, row count, dtype and thread count. A weight no model registered is timed alone."""
+    if SMALL_GEMM == "linear" or rows > MAX_TUNED_ROWS:
+        return 0
     if SMALL_GEMM == "transposed":
-        return True
+        return rows
     if SMALL_GEMM != "auto":
         raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
-    choice = _BY_WEIGHT.get((id(weight), rows))
-    if choice is not None:
-        return choice
-    key = (tuple(weight.shape), rows, weight.dtype, torch.get_num_threads())
-    choice = _SMALL_GEMM_CHOICE.get(key)
-    if choice is None:
-        with torch.no_grad():
-            choice = _SMALL_GEMM_CHOICE[key] = _time_kernels(weight, rows)
-    _BY_WEIGHT[(id(weight), rows)] = choice
-    return choice
+    group = getattr(weight, "_nemo_gemm", None)
+    if group is None:
+        group = weight._nemo_gemm = WeightGroup([weight])
+    key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
+    k = group.choice.get(key)
+    if k is None:
+        tune(group, rows)
+        k = group.choice[key]
+    return k
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` — except on CPU for up to 10 rows where ``(W @ x^T)^T`` measured faster.
+    """``F.linear`` — except on CPU for few rows, where the fastest of a few kernels computing the same product
+    is used (:func:`kernel`).
 
-    Decode steps, verification blocks and draft trees are a few tokens wide, and which CPU kernel is faster for
-    such shapes depends on the machine: on one 2-core host the transposed product was up to ~1.5x faster
-    in-model (small base, one thread: 1 row 9.4 vs 8.0 ms per forward); on another ``F.linear`` was 1.2-2x
-    faster for 2-10 rows (the same base, 5-token verification forward 9.6 vs 8.3 ms). So the choice is measured
-    once per weight shape and row count (:func:`transposed_faster`), at first use (a one-off pause of a few ms
-    per shape). Same math; the summation order may differ in the last bits, as between any two GEMM kernels, so
-    runs that must be bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear``.
+    Decode steps, verification blocks and draft trees are a few tokens wide, and which CPU kernel is fastest for
+    such shapes depends on the machine and on the row count, by large factors: on one 2-core host a 1-row
+    ``F.linear`` over SmolLM2-135M's weights streamed them at 11 GB/s where ``(W @ x^T)^T`` over the row padded to
+    two streamed 26 GB/s; 5 rows ran 1.7x faster transposed; elsewhere ``F.linear`` won. So the choice is timed
+    on the model's own weights, once per row count (a one-off pause of a few sweeps over the weights). Same math;
+    the summation order may differ in the last bits, as between any two GEMM kernels, so runs that must be
+    bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear``.
     """
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and SMALL_GEMM != "linear":
         rows = x.numel() // x.shape[-1]
-        if rows <= 10 and transposed_faster(weight, rows):
-            y = _transposed(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        k = kernel(weight, rows) if rows <= MAX_TUNED_ROWS else 0
+        if k:
+            y = _run(k, x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
