@@ -181,25 +181,26 @@ def test_kv_expansion_for_the_cpu_backward_is_exact():
 
 
 def test_fastpath_small_gemm_kernel_choice(monkeypatch):
-    """CPU products of up to MAX_TUNED_ROWS rows: every candidate kernel (F.linear, the transposed product over x
-    zero-padded to 2 / 4 rows) computes F.linear's product; "auto" times them once per row count over the weights
+    """CPU products of up to MAX_TUNED_ROWS rows: every candidate kernel (F.linear and the transposed product, over x
+    as it is and zero-padded) computes F.linear's product; "auto" times them once per row count over the weights
     a model registered together and caches the choice in their group; a lone weight gets a group of its own;
     forced modes override; an unknown mode is an error naming the variable."""
     from nemo_spec.models import fastpath
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
-    for rows in (1, 3, 5, 10, 16, 17):
+    for rows in (1, 3, 5, 11, 25, 33):
         x = torch.randn(2, rows, 16)[:1]  # [1, rows, 16]
         want = torch.nn.functional.linear(x, w, b)
-        for k in fastpath._padded(rows):
+        for k in fastpath.candidates(rows):
             got = fastpath._run(k, x.reshape(rows, 16), w).view(1, rows, 48) + b
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for mode in ("linear", "transposed", "auto"):
             monkeypatch.setattr(fastpath, "SMALL_GEMM", mode)
             torch.testing.assert_close(fastpath.linear(x, w, b), want, atol=1e-5, rtol=1e-5)
-    assert fastpath._padded(1) == [0, 1, 2, 4] and fastpath._padded(5) == [0, 5, 6, 8]
-    assert sorted(k[2] for k in w._nemo_gemm.choice) == [1, 3, 5, 10, 16]  # 17 rows always take F.linear
+    assert fastpath.candidates(1) == [(False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4)]
+    assert {p for _, p in fastpath.candidates(11)} == {11, 12, 16}
+    assert sorted(k[2] for k in w._nemo_gemm.choice) == [1, 3, 5, 11, 25]  # 33 rows always take F.linear
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     fastpath.register(model)
@@ -208,22 +209,22 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     fastpath.register(model)
     assert model[0].weight._nemo_gemm is group  # re-registering keeps the group (and its timings)
 
-    # the choice follows the timings: make every kernel but the 4-row padded one slow
+    # the choice follows the timings: make every kernel but the transposed one over 4 rows slow
     real = fastpath._run
 
     def timed(kernel, x2, weight):
-        if kernel != 4:
+        if kernel != (True, 4):
             time.sleep(2e-3)
         return real(kernel, x2, weight)
 
     monkeypatch.setattr(fastpath, "_run", timed)
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")
-    assert fastpath.kernel(model[0].weight, 3) == 4 and fastpath.kernel(model[1].weight, 3) == 4
+    assert fastpath.kernel(model[0].weight, 3) == (True, 4) == fastpath.kernel(model[1].weight, 3)
     assert {k[2] for k in group.choice} == {3}  # both shapes timed in the one sweep
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "transposed")
-    assert fastpath.kernel(model[0].weight, 3) == 3  # a forced mode overrides the cached measurement
+    assert fastpath.kernel(model[0].weight, 3) == (True, 3)  # a forced mode overrides the cached measurement
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "linear")
-    assert fastpath.kernel(model[0].weight, 3) == 0
+    assert fastpath.kernel(model[0].weight, 3) == (False, 3)
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "fastest")
     with pytest.raises(ValueError, match="NEMO_SPEC_SMALL_GEMM"):
         fastpath.kernel(torch.randn(5, 7), 2)
