@@ -113,6 +113,32 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
         bench.benchmark(model, prompts, None, methods=["eagle"], hf=False)
 
 
+def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
+    """--gemm: every method once more under another small-row CPU kernel rule in the same round robin, the rule
+    restored after each row; the summary says how the rule in force compares; an unknown rule is an error."""
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.models import fastpath
+
+    path, _, tok = ckpt
+    model = load_model(path)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["the cat sat on", "in the tree the bird"]]
+    before = fastpath.SMALL_GEMM
+    res = bench.benchmark(model, prompts, None, methods=["ar", "prompt_lookup"], batch_sizes=(1,), max_new_tokens=6,
+                          hf=False, repeats=1, gemm_modes=["linear", "auto"])
+    assert fastpath.SMALL_GEMM == before
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"ar", "prompt_lookup", "ar+gemm=linear", "ar+gemm=auto", "prompt_lookup+gemm=linear",
+                         "prompt_lookup+gemm=auto"}
+    assert rows["ar+gemm=linear"]["tokens"] == rows["ar"]["tokens"]  # the tests' rule in force is linear too
+    assert all(len(t) == 6 for r in rows.values() for t in r["tokens"])
+    s = res["summary"]
+    assert s["ar_vs_gemm=auto_b1"] == rows["ar"]["tokens_per_s"] / rows["ar+gemm=auto"]["tokens_per_s"]
+    assert s["best_speculative_b1"]["method"] == "prompt_lookup"  # comparison rows are not candidates
+    assert res["config"]["gemm_modes"] == ["linear", "auto"]
+    with pytest.raises(SamplingError, match="small-row kernel modes"):
+        bench.benchmark(model, prompts, None, methods=["ar"], hf=False, gemm_modes=["fastest"])
+
+
 def test_benchmark_targets_pick_the_batch1_eagle_rows():
     row = lambda m, b, sp, tau=1.0: {"engine": "nemo_spec", "method": m, "batch_size": b, "speedup_vs_ar": sp,  # noqa: E731
                                      "tau": tau}

@@ -21,7 +21,7 @@ import torch
 
 from nemo_spec.inference.generate import generate
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.models import model_config, unwrap
+from nemo_spec.models import fastpath, model_config, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               suffix_options: Optional[Dict[str, Any]] = None,
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
               compile_mode: Optional[str] = None,
-              extra_models: Sequence[torch.nn.Module] = ()) -> Dict[str, Any]:
+              extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = ()) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -156,7 +156,9 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
-    with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``.
+    with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
+    ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method once more
+    with that small-row CPU kernel rule (``<method>+gemm=<mode>`` rows) next to the rule in force.
     ``extra_models``: further speculative models on the same base (e.g. P-EAGLE and DFlash drafts next to an
     EAGLE-3 one); their draft methods join the same round robin (a method the main model has, or an earlier extra, gets ``@<i>``).
     """
@@ -164,6 +166,9 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
         raise SamplingError("benchmark needs at least one prompt")
     if any(b < 1 for b in batch_sizes):
         raise SamplingError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    bad = [g for g in gemm_modes if g not in GEMM_MODES]
+    if bad:
+        raise SamplingError(f"unknown small-row kernel modes {bad}; choose from {list(GEMM_MODES)}")
     avail = available_methods(model, draft_model)
     methods = list(methods) if methods else avail
     missing = [m for m in methods if m not in avail]
@@ -189,6 +194,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
                     _relabel, f"{m}+compiled", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "compile": compile_mode})))
+            for g in gemm_modes:
+                jobs.append((f"nemo_spec {m}+gemm={g} batch {b}", functools.partial(
+                    _with_gemm, g, f"{m}+gemm={g}", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    opts)))
             if m == "suffix" and warm_prompts:
                 gopts = warm_suffix_store(model, warm_prompts, max_new_tokens, {**(options or {}),
                                                                                 **(suffix_options or {})})
@@ -227,12 +236,27 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
                             "adaptive": adaptive, "compile": compile_mode,
+                            "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
 
 
 def _relabel(method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
     return {**fn(*args, **kw), "method": method}
+
+
+#: small-row CPU kernel rules a benchmark can put side by side (``--gemm``; see ``fastpath.SMALL_GEMM``)
+GEMM_MODES = ("linear", "transposed", "auto")
+
+
+def _with_gemm(mode: str, method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
+    """``fn`` run with the fast path's small-row kernel rule set to ``mode`` (restored after), relabelled."""
+    before = fastpath.SMALL_GEMM
+    fastpath.SMALL_GEMM = mode
+    try:
+        return _relabel(method, fn, *args, **kw)
+    finally:
+        fastpath.SMALL_GEMM = before
 
 
 #: Outputs the global suffix store holds in the benchmark's suffix_global row (unless suffix options say).
@@ -306,7 +330,7 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
         if hf_plain:
             summary[f"ar_vs_transformers_b{b}"] = r["tokens_per_s"] / hf_plain["tokens_per_s"]
         spec = [x for x in rows if x["engine"] == "nemo_spec" and x["method"].split("+")[0] != "ar"
-                and x["batch_size"] == b]
+                and "+gemm=" not in x["method"] and x["batch_size"] == b]
         if spec:
             best = max(spec, key=lambda x: x["tokens_per_s"])
             summary[f"best_speculative_b{b}"] = {"method": best["method"], "speedup_vs_ar": best["speedup_vs_ar"]}
@@ -314,13 +338,18 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
             if hf_b:  # our best method against transformers' best (plain, prompt lookup, assisted) at this batch
                 summary[f"best_vs_transformers_best_b{b}"] = (
                     best["tokens_per_s"] / max(x["tokens_per_s"] for x in hf_b))
-    for r in rows:  # the compiled decode step next to the eager one (same method, batch and run)
-        if r["engine"] == "nemo_spec" and r["method"].endswith("+compiled"):
-            m = r["method"][: -len("+compiled")]
-            eager = next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == m
-                          and x["batch_size"] == r["batch_size"]), None)
-            if eager:
-                summary[f"{m}_compiled_vs_eager_b{r['batch_size']}"] = r["tokens_per_s"] / eager["tokens_per_s"]
+    for r in rows:  # the compiled decode step / another kernel rule next to the default (same method, batch, run)
+        if r["engine"] != "nemo_spec" or not (r["method"].endswith("+compiled") or "+gemm=" in r["method"]):
+            continue
+        m, _, variant = r["method"].partition("+")
+        eager = next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == m
+                      and x["batch_size"] == r["batch_size"]), None)
+        if eager is None:
+            continue
+        if variant == "compiled":
+            summary[f"{m}_compiled_vs_eager_b{r['batch_size']}"] = r["tokens_per_s"] / eager["tokens_per_s"]
+        else:  # how much faster the rule in force is than this one
+            summary[f"{m}_vs_{variant}_b{r['batch_size']}"] = eager["tokens_per_s"] / r["tokens_per_s"]
     return {"config": config, "rows": rows, "summary": summary, "targets": check_targets(rows, summary)}
 
 
@@ -490,6 +519,9 @@ def build_parser():
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="also run every method with its decode step compiled (<method>+compiled rows; "
                         "mode default: 'default', 'reduce-overhead' = CUDA graphs on a GPU)")
+    p.add_argument("--gemm", nargs="+", default=[], choices=list(GEMM_MODES),
+                   help="also run every method with this small-row CPU kernel rule (<method>+gemm=<mode> rows, next "
+                        "to the rule in force: NEMO_SPEC_SMALL_GEMM, default auto)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -542,7 +574,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
-                       compile_mode=args.compile, extra_models=extras)
+                       compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")
