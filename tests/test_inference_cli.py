@@ -115,7 +115,8 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
 
 def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
     """--gemm: every method once more under another small-row CPU kernel rule in the same round robin, the rule
-    restored after each row; the summary says how the rule in force compares; an unknown rule is an error."""
+    restored after each row; the summary says how the rule in force compares; an unknown rule is an error.
+    --forward-rows: single target forwards timed per row count and rule."""
     from nemo_spec.checkpoint import load_model
     from nemo_spec.models import fastpath
 
@@ -137,6 +138,16 @@ def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
     assert res["config"]["gemm_modes"] == ["linear", "auto"]
     with pytest.raises(SamplingError, match="small-row kernel modes"):
         bench.benchmark(model, prompts, None, methods=["ar"], hf=False, gemm_modes=["fastest"])
+    # --forward-rows: cached target forwards of n new tokens under each rule, side by side
+    fw = bench.time_forwards(model, [1, 3], context=8, calls=1, rounds=2)
+    assert [(r["rows"], r["mode"]) for r in fw] == [(1, "linear"), (1, "auto"), (3, "linear"), (3, "auto")]
+    assert all(r["ms"] > 0 for r in fw) and fastpath.SMALL_GEMM == before
+    table = bench.forwards_markdown(fw)
+    assert table.splitlines()[0] == "| rows | linear ms | auto ms | auto vs linear |" and len(table.splitlines()) == 4
+    with pytest.raises(SamplingError, match="exceeds the model context"):
+        bench.time_forwards(model, [4], context=10 ** 6)
+    with pytest.raises(SamplingError, match="small-row kernel modes"):
+        bench.time_forwards(model, [1], modes=["fast"])
 
 
 def test_benchmark_targets_pick_the_batch1_eagle_rows():

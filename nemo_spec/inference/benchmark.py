@@ -21,7 +21,7 @@ import torch
 
 from nemo_spec.inference.generate import generate
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
-from nemo_spec.models import fastpath, model_config, unwrap
+from nemo_spec.models import fastpath, gpt_forward, model_config, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,76 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
+
+
+def time_forwards(model: torch.nn.Module, rows: Sequence[int], modes: Sequence[str] = ("linear", "auto"),
+                  context: int = 256, calls: int = 5, rounds: int = 5, seed: int = 0) -> List[Dict[str, Any]]:
+    """One cached target forward of ``n`` new tokens (a chain after ``context`` cached tokens: a decode step at
+    n = 1, a verification block above) per row count and small-row kernel rule, rounds alternating between the
+    rules; returns [{rows, mode, ms}] with the median of ``rounds`` means over ``calls`` forwards each."""
+    import statistics
+
+    from nemo_spec.inference.proposers.common import chain_block
+    from nemo_spec.models import new_kv_cache
+
+    bad = [g for g in modes if g not in GEMM_MODES]
+    if bad or not modes:
+        raise SamplingError(f"unknown small-row kernel modes {bad or list(modes)}; choose from {list(GEMM_MODES)}")
+    if not rows or min(rows) < 1 or context < 1:
+        raise SamplingError(f"--forward-rows must be >= 1 and the context >= 1, got {list(rows)} and {context}")
+    target = unwrap(model)
+    cfg = model_config(model)
+    if context + max(rows) > cfg.max_position_embeddings:
+        raise SamplingError(f"context {context} + {max(rows)} rows exceeds the model context "
+                            f"{cfg.max_position_embeddings}")
+    fastpath.register(model)
+    dev = next(target.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    cache = new_kv_cache(target, batch_size=1, max_len=context + max(rows))
+    before = fastpath.SMALL_GEMM
+
+    def forward(n: int, cached: int) -> None:
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(dev)
+        ctx = chain_block(cache, ids, torch.ones(1, n, dtype=torch.bool, device=dev), cfg.max_position_embeddings,
+                          max_length=cached)
+        gpt_forward(target, ids, ctx)
+
+    times: Dict[Tuple[int, str], List[float]] = {}
+    try:
+        with torch.no_grad():
+            forward(context, 0)
+            cache.lengths += context
+            for n in rows:  # first use of each row count (kernel timing) outside the measurement
+                for mode in modes:
+                    fastpath.SMALL_GEMM = mode
+                    forward(n, context)
+            for _ in range(max(1, rounds)):
+                for n in rows:
+                    for mode in modes:
+                        fastpath.SMALL_GEMM = mode
+                        _sync(dev)
+                        t0 = time.perf_counter()
+                        for _ in range(max(1, calls)):
+                            forward(n, context)
+                        _sync(dev)
+                        times.setdefault((n, mode), []).append((time.perf_counter() - t0) / max(1, calls))
+    finally:
+        fastpath.SMALL_GEMM = before
+    return [{"rows": n, "mode": mode, "ms": 1e3 * statistics.median(times[(n, mode)])} for n in rows for mode in modes]
+
+
+def forwards_markdown(res: List[Dict[str, Any]]) -> str:
+    """Table of :func:`time_forwards`: ms per forward for each rule and each rule's speed-up over the first."""
+    modes = list(dict.fromkeys(r["mode"] for r in res))
+    by = {(r["rows"], r["mode"]): r["ms"] for r in res}
+    lines = ["| rows | " + " | ".join(f"{m} ms" for m in modes) + " | "
+             + " | ".join(f"{m} vs {modes[0]}" for m in modes[1:]) + " |",
+             "|---:|" + "---:|" * (2 * len(modes) - 1)]
+    for n in dict.fromkeys(r["rows"] for r in res):
+        ms = [by[(n, m)] for m in modes]
+        lines.append(f"| {n} | " + " | ".join(f"{t:.2f}" for t in ms) + " | "
+                     + " | ".join(f"{ms[0] / t:.2f}x" for t in ms[1:]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _relabel(method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
@@ -522,6 +592,10 @@ def build_parser():
     p.add_argument("--gemm", nargs="+", default=[], choices=list(GEMM_MODES),
                    help="also run every method with this small-row CPU kernel rule (<method>+gemm=<mode> rows, next "
                         "to the rule in force: NEMO_SPEC_SMALL_GEMM, default auto)")
+    p.add_argument("--forward-rows", type=int, nargs="+", default=None,
+                   help="instead of generating: time one cached target forward of each of these many new tokens "
+                        "under the small-row kernel rules linear and auto (or --gemm's), side by side")
+    p.add_argument("--forward-context", type=int, default=256, help="--forward-rows: cached tokens before the block")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -560,6 +634,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parallel.initialize(1)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.model, dtype=dtype)
+    if args.forward_rows:
+        res = time_forwards(model, args.forward_rows, ["linear", "auto"] if not args.gemm else args.gemm,
+                            context=args.forward_context, rounds=max(1, args.repeats))
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        table = forwards_markdown(res)
+        (out / "forwards.json").write_text(json.dumps(res, indent=2))
+        (out / "forwards.md").write_text(table)
+        sys.stdout.write(table + f"wrote {out / 'forwards.md'}, {out / 'forwards.json'}\n")
+        return 0
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     extras = [load_model(p, dtype=dtype) for p in args.extra_models]
     ctx = model_config(model).max_position_embeddings - args.max_new_tokens
