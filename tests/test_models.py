@@ -1,4 +1,6 @@
 """Model builder: forward shapes, KV-cache incremental decoding, explicit masks, TP=2 == TP=1."""
+import copy
+import pickle
 import time
 
 import pytest
@@ -122,7 +124,7 @@ def test_fast_inference_path_matches_module_forward(make, gemm, monkeypatch):
         one = gpt_forward(m, x[:1, :1], fast=True).logits  # a 1-row product
         torch.testing.assert_close(one, gpt_forward(m, x[:1, :1], fast=False).logits, rtol=1e-5, atol=1e-5)
     if gemm == "auto":  # the whole model was timed as one group, per row count used
-        group = m.decoder.layers[0].mlp.linear_fc1.weight._nemo_gemm
+        group = fastpath._GROUP_OF[id(m.decoder.layers[0].mlp.linear_fc1.weight)]
         assert {k[2] for k in group.choice} >= {1, 6}
     # with gradients on, the module forward is used (training never takes the fast path)
     assert not fastpath.active()
@@ -200,14 +202,27 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
             torch.testing.assert_close(fastpath.linear(x, w, b), want, atol=1e-5, rtol=1e-5)
     assert fastpath.candidates(1) == [(False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4)]
     assert {p for _, p in fastpath.candidates(11)} == {11, 12, 16}
-    assert sorted(k[2] for k in w._nemo_gemm.choice) == [1, 3, 5, 11, 25]  # 33 rows always take F.linear
+    assert sorted(k[2] for k in fastpath._GROUP_OF[id(w)].choice) == [1, 3, 5, 11, 25]  # 33 rows always take F.linear
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     fastpath.register(model)
-    group = model[0].weight._nemo_gemm
-    assert group is model[1].weight._nemo_gemm and len(group.refs) == 2
+    group = fastpath._GROUP_OF[id(model[0].weight)]
+    assert group is fastpath._GROUP_OF[id(model[1].weight)] and len(group.refs) == 2
     fastpath.register(model)
-    assert model[0].weight._nemo_gemm is group  # re-registering keeps the group (and its timings)
+    assert fastpath._GROUP_OF[id(model[0].weight)] is group  # re-registering keeps the group (and its timings)
+    copy.deepcopy(model)  # the groups live beside the weights, not on them: a module stays copyable / picklable
+    pickle.dumps(model)
+
+    lone = torch.randn(8, 16)
+    fastpath.SMALL_GEMM, before = "auto", fastpath.SMALL_GEMM
+    try:
+        fastpath.kernel(lone, 2)
+    finally:
+        fastpath.SMALL_GEMM = before
+    key = id(lone)
+    assert key in fastpath._GROUP_OF
+    del lone
+    assert key not in fastpath._GROUP_OF  # dropped with its weight: a new tensor at that id starts afresh
 
     # the choice follows the timings: make every kernel but the transposed one over 4 rows slow
     real = fastpath._run

@@ -69,18 +69,29 @@ class WeightGroup:
         self.choice: Dict[Tuple[Any, ...], Kernel] = {}  # (shape, dtype, rows, threads) -> kernel
 
 
+#: the group of each registered weight, by id; an entry is dropped when its weight is freed (so a later tensor
+#: with the same id is not taken for it). Kept here, not on the tensors: a module stays picklable and copyable.
+_GROUP_OF: Dict[int, WeightGroup] = {}
+
+
+def _set_group(w: torch.Tensor, group: WeightGroup) -> None:
+    if id(w) not in _GROUP_OF:
+        weakref.finalize(w, _GROUP_OF.pop, id(w), None)
+    _GROUP_OF[id(w)] = group
+
+
 def register(module: torch.nn.Module) -> None:
     """Group the CPU weight matrices of ``module`` (a model, its draft included) so that their small-row kernels
     are timed together, on first use of each row count; re-registering a module is a no-op."""
     ws = [p for p in module.parameters() if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"]
     if not ws:
         return
-    first = getattr(ws[0], "_nemo_gemm", None)
-    if first is not None and len(first.refs) == len(ws) and all(getattr(w, "_nemo_gemm", None) is first for w in ws):
+    first = _GROUP_OF.get(id(ws[0]))
+    if first is not None and len(first.refs) == len(ws) and all(_GROUP_OF.get(id(w)) is first for w in ws):
         return
     group = WeightGroup(ws)
     for w in ws:
-        w._nemo_gemm = group
+        _set_group(w, group)
 
 
 def candidates(rows: int) -> List[Kernel]:
@@ -145,9 +156,10 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
         return (True, rows)
     if SMALL_GEMM != "auto":
         raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
-    group = getattr(weight, "_nemo_gemm", None)
+    group = _GROUP_OF.get(id(weight))
     if group is None:
-        group = weight._nemo_gemm = WeightGroup([weight])
+        group = WeightGroup([weight])
+        _set_group(weight, group)
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
     if k is None:
