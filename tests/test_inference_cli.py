@@ -135,6 +135,8 @@ def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
     s = res["summary"]
     assert s["ar_vs_gemm=auto_b1"] == rows["ar"]["tokens_per_s"] / rows["ar+gemm=auto"]["tokens_per_s"]
     assert s["best_speculative_b1"]["method"] == "prompt_lookup"  # comparison rows are not candidates
+    pl = rows["prompt_lookup+gemm=linear"]  # its speed-up is taken against AR under the same rule
+    assert pl["speedup_vs_ar"] == pl["tokens_per_s"] / rows["ar+gemm=linear"]["tokens_per_s"]
     assert res["config"]["gemm_modes"] == ["linear", "auto"]
     with pytest.raises(SamplingError, match="small-row kernel modes"):
         bench.benchmark(model, prompts, None, methods=["ar"], hf=False, gemm_modes=["fastest"])
@@ -144,6 +146,9 @@ def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
     assert all(r["ms"] > 0 for r in fw) and fastpath.SMALL_GEMM == before
     table = bench.forwards_markdown(fw)
     assert table.splitlines()[0] == "| rows | linear ms | auto ms | auto vs linear |" and len(table.splitlines()) == 4
+    for t in (table, bench.forwards_markdown([r for r in fw if r["mode"] == "auto"])):  # one rule: no ratio column
+        head, sep = t.splitlines()[:2]
+        assert head.count("|") == sep.count("|") == t.splitlines()[2].count("|")
     with pytest.raises(SamplingError, match="exceeds the model context"):
         bench.time_forwards(model, [4], context=10 ** 6)
     with pytest.raises(SamplingError, match="small-row kernel modes"):

@@ -89,7 +89,7 @@ def test_tp2_logits_equal_tp1(make, tmp_path):
 def test_fast_inference_path_matches_module_forward(make, gemm, monkeypatch):
     """The lean inference path (models/fastpath.py) computes what the megatron modules compute: full causal
     forward, and cached decoding with a tree-style explicit mask, with the same aux features — with F.linear and
-    with the timed small-row kernels (gemm="auto": 1-, 2- and 3-row products over the model's registered weights)."""
+    with the timed small-row kernels (gemm="auto": 1-, 6- and 12-row products over the model's registered weights)."""
     from nemo_spec.models import fastpath
 
     monkeypatch.setattr(fastpath, "SMALL_GEMM", gemm)
@@ -204,10 +204,24 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     assert {p for _, p in fastpath.candidates(11)} == {11, 12, 16}
     assert sorted(k[2] for k in fastpath._GROUP_OF[id(w)].choice) == [1, 3, 5, 11, 25]  # 33 rows always take F.linear
 
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    # every padded kernel through linear() itself: [s, b, in] input, a non-contiguous one, bias added once
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")
+    with monkeypatch.context() as mp:
+        for k_index in (-1, -2):
+            mp.setattr(fastpath, "kernel", lambda weight, rows, i=k_index: fastpath.candidates(rows)[i])
+            for rows in (1, 3, 5):
+                x = torch.randn(rows, 1, 16)
+                xt = torch.randn(1, rows, 16).transpose(0, 1)
+                for xx in (x, xt):
+                    torch.testing.assert_close(fastpath.linear(xx, w, b), torch.nn.functional.linear(xx, w, b),
+                                               atol=1e-5, rtol=1e-5)
+
+    emb = torch.nn.Embedding(10, 16)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), emb)
     fastpath.register(model)
     group = fastpath._GROUP_OF[id(model[0].weight)]
     assert group is fastpath._GROUP_OF[id(model[1].weight)] and len(group.refs) == 2
+    assert id(emb.weight) not in fastpath._GROUP_OF  # embedding tables are not swept
     fastpath.register(model)
     assert fastpath._GROUP_OF[id(model[0].weight)] is group  # re-registering keeps the group (and its timings)
     copy.deepcopy(model)  # the groups live beside the weights, not on them: a module stays copyable / picklable

@@ -127,8 +127,9 @@ class Session:
             raise SamplingError(str(err)) from None
         self.model = model
         self.engine = get_engine(model)
-        if draft_model is not None:
-            fastpath.register(draft_model)
+        for m in (model, draft_model):  # (again: the model may have moved since its engine was made; else a no-op)
+            if m is not None:
+                fastpath.register(m)
         self.proposer: Proposer = make_proposer(method, model, self.engine, draft_model, options)
         self.method = method
         self.tokenizer = tokenizer

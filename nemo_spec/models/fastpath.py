@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -67,6 +68,7 @@ class WeightGroup:
     def __init__(self, weights: Sequence[torch.Tensor]) -> None:
         self.refs = [weakref.ref(w) for w in weights]
         self.choice: Dict[Tuple[Any, ...], Kernel] = {}  # (shape, dtype, rows, threads) -> kernel
+        self.lock = threading.Lock()  # one tuning at a time (two at once would skew each other's timings)
 
 
 #: the group of each registered weight, by id; an entry is dropped when its weight is freed (so a later tensor
@@ -82,8 +84,12 @@ def _set_group(w: torch.Tensor, group: WeightGroup) -> None:
 
 def register(module: torch.nn.Module) -> None:
     """Group the CPU weight matrices of ``module`` (a model, its draft included) so that their small-row kernels
-    are timed together, on first use of each row count; re-registering a module is a no-op."""
-    ws = [p for p in module.parameters() if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"]
+    are timed together, on first use of each row count; re-registering a module is a no-op. Embedding tables are
+    left out (a tied output layer's weight is then timed on its own: the largest matrix, cold by itself)."""
+    tables = {id(p) for m in module.modules() if type(m).__name__.endswith("Embedding")
+              for p in m.parameters(recurse=False)}
+    ws = [p for p in module.parameters() if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"
+          and id(p) not in tables]
     if not ws:
         return
     first = _GROUP_OF.get(id(ws[0]))
@@ -121,7 +127,7 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
     sweeps all the group's weights (one warm-up sweep, then ``sweeps`` timed ones, candidates alternating), each
     call timed; per shape the candidate with the lowest median total wins, ``F.linear`` unless another is faster
     by more than ``margin`` (so noise cannot pick a kernel that is not really faster)."""
-    weights = [w for w in (r() for r in group.refs) if w is not None]
+    weights = [w for w in (r() for r in group.refs) if w is not None and w.device.type == "cpu"]
     cands = candidates(rows)
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     spent: Dict[Tuple[Any, ...], List[float]] = {}
@@ -143,8 +149,9 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
         med = {c: sorted(spent[(shape, dtype, c)])[sweeps // 2] for c in cands}
         best = min(cands[1:], key=lambda c: med[c])
         group.choice[(shape, dtype, rows, threads)] = best if med[best] < margin * med[cands[0]] else cands[0]
-    log.debug("small-row CPU kernels for %d rows: %s", rows,
-              {k[0]: v for k, v in group.choice.items() if k[2] == rows})
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("small-row CPU kernels for %d rows: %s", rows,
+                  {k[0]: v for k, v in list(group.choice.items()) if k[2] == rows})
 
 
 def kernel(weight: torch.Tensor, rows: int) -> Kernel:
@@ -163,8 +170,15 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
     if k is None:
-        tune(group, rows)
-        k = group.choice[key]
+        with group.lock:
+            if key not in group.choice:
+                tune(group, rows)
+        k = group.choice.get(key)
+        if k is None:  # the group no longer sweeps this weight's shape (moved off the CPU since it was grouped)
+            lone = WeightGroup([weight])
+            _set_group(weight, lone)
+            tune(lone, rows)
+            k = lone.choice[key]
     return k
 
 
