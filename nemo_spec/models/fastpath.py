@@ -82,6 +82,13 @@ def _set_group(w: torch.Tensor, group: WeightGroup) -> None:
     _GROUP_OF[id(w)] = group
 
 
+def _alone(w: torch.Tensor) -> WeightGroup:
+    """A group of its own for ``w`` (a weight no model registered, or one its group no longer sweeps)."""
+    group = WeightGroup([w])
+    _set_group(w, group)
+    return group
+
+
 def register(module: torch.nn.Module) -> None:
     """Group the CPU weight matrices of ``module`` (a model, its draft included) so that their small-row kernels
     are timed together, on first use of each row count; re-registering a module is a no-op. Embedding tables are
@@ -163,10 +170,7 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
         return (True, rows)
     if SMALL_GEMM != "auto":
         raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
-    group = _GROUP_OF.get(id(weight))
-    if group is None:
-        group = WeightGroup([weight])
-        _set_group(weight, group)
+    group = _GROUP_OF.get(id(weight)) or _alone(weight)
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
     if k is None:
@@ -175,8 +179,7 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
                 tune(group, rows)
         k = group.choice.get(key)
         if k is None:  # the group no longer sweeps this weight's shape (moved off the CPU since it was grouped)
-            lone = WeightGroup([weight])
-            _set_group(weight, lone)
+            lone = _alone(weight)
             tune(lone, rows)
             k = lone.choice[key]
     return k
