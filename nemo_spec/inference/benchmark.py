@@ -167,9 +167,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
         raise SamplingError("benchmark needs at least one prompt")
     if any(b < 1 for b in batch_sizes):
         raise SamplingError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    bad = [g for g in gemm_modes if g not in GEMM_MODES]
-    if bad:
-        raise SamplingError(f"unknown small-row kernel modes {bad}; choose from {list(GEMM_MODES)}")
+    _check_gemm_modes(gemm_modes)
     avail = available_methods(model, draft_model)
     methods = list(methods) if methods else avail
     missing = [m for m in methods if m not in avail]
@@ -252,9 +250,9 @@ def time_forwards(model: torch.nn.Module, rows: Sequence[int], modes: Sequence[s
     from nemo_spec.inference.proposers.common import chain_block
     from nemo_spec.models import new_kv_cache
 
-    bad = [g for g in modes if g not in GEMM_MODES]
-    if bad or not modes:
-        raise SamplingError(f"unknown small-row kernel modes {bad or list(modes)}; choose from {list(GEMM_MODES)}")
+    if not modes:
+        raise SamplingError(f"time_forwards needs at least one small-row kernel mode of {list(GEMM_MODES)}")
+    _check_gemm_modes(modes)
     if not rows or min(rows) < 1 or context < 1:
         raise SamplingError(f"--forward-rows must be >= 1 and the context >= 1, got {list(rows)} and {context}")
     target = unwrap(model)
@@ -317,6 +315,13 @@ def _relabel(method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: A
 
 #: small-row CPU kernel rules a benchmark can put side by side (``--gemm``; see ``fastpath.SMALL_GEMM``)
 GEMM_MODES = ("linear", "transposed", "auto")
+
+
+def _check_gemm_modes(modes: Sequence[str]) -> None:
+    """SamplingError naming any mode that is not one of :data:`GEMM_MODES`."""
+    bad = [g for g in modes if g not in GEMM_MODES]
+    if bad:
+        raise SamplingError(f"unknown small-row kernel modes {bad}; choose from {list(GEMM_MODES)}")
 
 
 def _with_gemm(mode: str, method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
@@ -384,6 +389,12 @@ def _hf_jobs(stack: contextlib.ExitStack, model: torch.nn.Module, draft_model: O
     return jobs
 
 
+def _our_row(rows: List[Dict[str, Any]], method: str, batch_size: int) -> Optional[Dict[str, Any]]:
+    """Our row of ``method`` at ``batch_size``, if this run measured it."""
+    return next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == method
+                 and x["batch_size"] == batch_size), None)
+
+
 def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, Any]:
     """Add speedups vs our AR at the same batch size and agreement with our batch-1 AR tokens."""
     ar = {r["batch_size"]: r for r in rows if r["engine"] == "nemo_spec" and r["method"] == "ar"}
@@ -391,9 +402,7 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
     for r in rows:
         base = ar.get(r["batch_size"]) or (ar[min(ar)] if ar else None)
         if "+gemm=" in r["method"]:  # against our AR under the same kernel rule, where it ran
-            same = "ar+" + r["method"].partition("+")[2]
-            base = next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == same
-                         and x["batch_size"] == r["batch_size"]), base)
+            base = _our_row(rows, "ar+" + r["method"].partition("+")[2], r["batch_size"]) or base
         r["speedup_vs_ar"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         if ref is not None:
             r["matches_ar"] = sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref)
@@ -416,8 +425,7 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
         if r["engine"] != "nemo_spec" or not (r["method"].endswith("+compiled") or "+gemm=" in r["method"]):
             continue
         m, _, variant = r["method"].partition("+")
-        eager = next((x for x in rows if x["engine"] == "nemo_spec" and x["method"] == m
-                      and x["batch_size"] == r["batch_size"]), None)
+        eager = _our_row(rows, m, r["batch_size"])
         if eager is None:
             continue
         if variant == "compiled":

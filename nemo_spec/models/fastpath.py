@@ -197,9 +197,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     the summation order may differ in the last bits, as between any two GEMM kernels, so runs that must be
     bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear``.
     """
-    if x.device.type == "cpu" and SMALL_GEMM != "linear":
+    if x.device.type == "cpu":
         rows = x.numel() // x.shape[-1]
-        k = kernel(weight, rows) if rows <= MAX_TUNED_ROWS else (False, rows)
+        k = kernel(weight, rows)
         if k != (False, rows):
             y = _run(k, x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
