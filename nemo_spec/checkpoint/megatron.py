@@ -25,6 +25,7 @@ import torch
 
 from nemo_spec import parallel
 from nemo_spec._cpu import apply_cpu_workarounds
+from nemo_spec._threads import serial_helper_threads
 from nemo_spec.config import ConfigError, ModelConfig, SpeculativeConfig, dump_json
 from nemo_spec.fsutil import is_displaced_directory, publish_directory
 
@@ -391,7 +392,8 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
     if not _all_ok(err is None):
         raise err if err is not None else CheckpointError(f"rank 0 could not create {tmp}")
     try:
-        dist_checkpointing.save(sharded_sd, str(tmp), sharded_strategy=_save_strategy())
+        with serial_helper_threads():  # its collectives must not give gloo workers their own CPU thread teams
+            dist_checkpointing.save(sharded_sd, str(tmp), sharded_strategy=_save_strategy())
         if rank0:
             if tokenizer_dir is not None:
                 copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
@@ -527,7 +529,9 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
     if sharded_sd is None:
         sharded_sd = module.sharded_state_dict()
     check_sharded_shapes(sharded_sd, ckpt_dir, source)
-    with quiet_dcp_warnings():
+    # it all-gathers the tensor metadata: a gloo worker copying that with a parallel op would start a second
+    # CPU thread team, slowing every forward of this process afterwards (nemo_spec._threads)
+    with quiet_dcp_warnings(), serial_helper_threads():
         loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
     if key_map is not None:
         loaded = key_map(loaded)

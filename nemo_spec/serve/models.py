@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from nemo_spec._threads import in_fresh_thread
 from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ConfigError
 from nemo_spec.data.chat import load_tokenizer
@@ -210,7 +211,9 @@ class ModelManager:
             if spec.name in self._models and not replace:
                 raise APIError(409, f"model `{spec.name}` is already loaded; unload it or use switch",
                                "invalid_request_error", "name", "model_exists")
-            served = build_served_model(spec, self.max_queue, self.batch_wait_s, self.metrics, **kw)
+            # loaded on a thread that ends here: the scheduler thread that decodes then holds the process's only
+            # CPU thread team (two teams make libgomp throttle every parallel op; see nemo_spec._threads)
+            served = in_fresh_thread(build_served_model, spec, self.max_queue, self.batch_wait_s, self.metrics, **kw)
             old = self._models.get(spec.name)
             self._models[spec.name] = served
         if old is not None:
