@@ -125,3 +125,34 @@ def test_served_models_are_loaded_on_a_thread_that_ends(monkeypatch, model, tok)
 
 
 from tests.serve_utils import model, tok, tok_dir  # noqa: E402,F401  (module fixtures)
+
+
+def _timed_rows(module):
+    from nemo_spec.models import fastpath
+
+    groups = {id(g): g for g in (fastpath._GROUP_OF.get(id(p)) for p in module.parameters()) if g is not None}
+    return {k[2] for g in groups.values() for k in g.choice}
+
+
+def test_served_model_times_its_few_row_kernels_at_load(monkeypatch, tok):
+    """CPU kernels for the row counts a step can use are timed while loading (not at a request's first step);
+    pretune_rows bounds that, 0 leaves it to first use, and a negative value is a config error."""
+    from nemo_spec.config import ConfigError
+    from nemo_spec.models import fastpath
+    from nemo_spec.serve import ModelSpec
+    from nemo_spec.serve import models
+    from tests.serve_utils import tiny_model
+
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")  # the test suite pins the fixed rule
+    for spec, want in ((ModelSpec(name="a", max_batch=2), {1, 2}),  # AR: a step has 1..max_batch rows
+                       (ModelSpec(name="b", max_batch=4, pretune_rows=3), {1, 2, 3}),
+                       (ModelSpec(name="c", scheduler="batch", pretune_rows=2), {1, 2}),
+                       (ModelSpec(name="d", max_batch=2, pretune_rows=0), set())):
+        m = tiny_model(tok)
+        served = models.build_served_model(spec, model=m, tokenizer=tok)
+        try:
+            assert _timed_rows(m) == want, spec.name
+        finally:
+            served.close()
+    with pytest.raises(ConfigError, match="pretune_rows"):
+        ModelSpec(name="e", pretune_rows=-1).validate()

@@ -161,6 +161,36 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
                   {k[0]: v for k, v in list(group.choice.items()) if k[2] == rows})
 
 
+def pretune(module: torch.nn.Module, max_rows: int = MAX_TUNED_ROWS) -> int:
+    """Time the small-row kernels of ``module``'s weights (see :func:`register`) for every row count 1..max_rows
+    now instead of at first use, where each new row count would pause generation for a few sweeps over the
+    weights (a server meets a new count whenever a row joins or leaves). Row counts already timed are skipped;
+    a no-op unless the rule is ``auto``. Returns how many (group, row count) timings ran."""
+    if SMALL_GEMM != "auto":
+        return 0
+    register(module)
+    groups = {id(g): g for g in (_GROUP_OF.get(id(p)) for p in module.parameters()) if g is not None}
+    if any(getattr(m, "share_embeddings_and_output_weights", False) for m in module.modules()):
+        for m in module.modules():  # a tied output layer multiplies by the embedding table: timed on its own
+            if type(m).__name__.endswith("Embedding"):
+                for p in m.parameters(recurse=False):
+                    if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu":
+                        g = _GROUP_OF.get(id(p)) or _alone(p)
+                        groups[id(g)] = g
+    threads = torch.get_num_threads()
+    done = 0
+    for rows in range(1, min(int(max_rows), MAX_TUNED_ROWS) + 1):
+        for group in groups.values():
+            shapes = {(tuple(w.shape), w.dtype) for w in (r() for r in group.refs) if w is not None
+                      and w.device.type == "cpu"}
+            if all((shape, dtype, rows, threads) in group.choice for shape, dtype in shapes):
+                continue
+            with group.lock:
+                tune(group, rows)
+            done += 1
+    return done
+
+
 def kernel(weight: torch.Tensor, rows: int) -> Kernel:
     """The kernel for ``rows`` rows of ``weight`` on CPU (see :data:`SMALL_GEMM`, :func:`candidates`): timed once
     per weight group, shape, row count, dtype and thread count. A weight no model registered is timed alone."""

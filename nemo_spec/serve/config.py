@@ -32,6 +32,7 @@ class ModelSpec:
     max_context: Optional[int] = None  # prompt + completion tokens; None -> model max_position_embeddings
     default_max_tokens: int = 256  # when a request gives no max_tokens (completions: OpenAI's 16)
     chat_template: Optional[str] = None  # jinja string or file; None -> tokenizer's template, else the default
+    pretune_rows: Optional[int] = None  # CPU: time the few-row kernels for 1..N rows at load; None: what a step can use
 
     def validate(self) -> "ModelSpec":
         """Raise ConfigError naming the invalid field; returns self."""
@@ -54,6 +55,9 @@ class ModelSpec:
             raise ConfigError(f"{where}: max_context must be an int >= 2 or null, got {self.max_context!r}")
         if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
             raise ConfigError(f"{where}: default_max_tokens must be an int >= 1, got {self.default_max_tokens!r}")
+        if self.pretune_rows is not None and (not isinstance(self.pretune_rows, int) or isinstance(self.pretune_rows, bool)
+                                              or self.pretune_rows < 0):
+            raise ConfigError(f"{where}: pretune_rows must be an int >= 0 or null, got {self.pretune_rows!r}")
         if not isinstance(self.options, dict):
             raise ConfigError(f"{where}: options must be a mapping, got {type(self.options).__name__}")
         from nemo_spec.inference.sampling import SamplingError

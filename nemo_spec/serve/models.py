@@ -16,6 +16,7 @@ from nemo_spec._threads import in_fresh_thread
 from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ConfigError
 from nemo_spec.data.chat import load_tokenizer
+from nemo_spec.models import fastpath
 from nemo_spec.serve.batching import Batcher, SessionBatcher
 from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
 from nemo_spec.serve.config import ModelSpec
@@ -99,6 +100,19 @@ def _engine(model: torch.nn.Module, method: str, options: Dict[str, Any], draft_
                         tokenizer=tokenizer, on_tokens=on_tokens, on_finish=on_finish)
 
 
+def _pretune(spec: ModelSpec, models: List[Optional[torch.nn.Module]], step_rows: int) -> None:
+    """Time the few-row CPU kernels now (``spec.pretune_rows``, default: the row counts a step can use) rather than
+    at first use, where each new row count would pause the running batch (fastpath.pretune)."""
+    rows = min(step_rows if spec.pretune_rows is None else spec.pretune_rows, fastpath.MAX_TUNED_ROWS)
+    if rows < 1 or fastpath.SMALL_GEMM != "auto":
+        return
+    t0 = time.perf_counter()
+    n = sum(fastpath.pretune(m, rows) for m in models if m is not None)
+    if n:
+        log.info("model %r: few-row CPU kernels timed for 1-%d rows in %.1fs", spec.name, rows,
+                 time.perf_counter() - t0)
+
+
 def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float = 0.005,
                        metrics: Optional[ServerMetrics] = None, model: Optional[torch.nn.Module] = None,
                        tokenizer: Any = None, draft_model: Optional[torch.nn.Module] = None) -> ServedModel:
@@ -161,8 +175,10 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
                               prefill_chunk_tokens=spec.prefill_chunk_tokens)
         except SamplingError as e:
             raise ConfigError(f"serve model {spec.name!r}: {e}") from e
+        _pretune(spec, [model, draft_model], spec.max_batch * (session.proposer.lookahead + 1))
         batcher: Any = SessionBatcher(session, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
     else:
+        _pretune(spec, [model, draft_model], fastpath.MAX_TUNED_ROWS)
         engine = functools.partial(_engine, model, spec.method, spec.options, draft_model, tokenizer)
         batcher = Batcher(engine, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
     served = ServedModel(spec=spec, model=model, tokenizer=tokenizer, template=template, max_context=max_context,
