@@ -1,5 +1,6 @@
 """One CPU thread team per process (nemo_spec._threads): checkpoint IO keeps gloo workers serial, a served model
-is loaded on a thread that ends, and the helpers behave (thread count restored, values and errors returned)."""
+is loaded on a thread that ends, and the helpers behave (thread count restored, values and errors returned).
+Also what else a served model does at load so that decoding is not paused later: its few-row kernels are timed."""
 from __future__ import annotations
 
 import json
