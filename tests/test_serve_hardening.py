@@ -347,7 +347,8 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
     ``data: [DONE]``, a short running one finishes normally, and the process exits."""
     from nemo_spec.checkpoint.hf import export_hf
 
-    long_model = tiny_model(tok, max_position_embeddings=4096)
+    # long streams that cannot finish within the drain time, however fast the machine: 15,000 tokens each
+    long_model = tiny_model(tok, max_position_embeddings=16384)
     ckpt = export_hf(long_model, tmp_path / "hf", tokenizer_dir=tok_dir)
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -378,14 +379,14 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
         def plain(i):
             try:
                 r = httpx.post(url + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": "the dog", "max_tokens": 3000, "ignore_eos": True})
+                    "model": "tiny", "prompt": "the dog", "max_tokens": 15000, "ignore_eos": True})
                 results[i] = {"status": r.status_code, "body": r.text, "type": r.headers.get("content-type")}
             except httpx.HTTPError as e:
                 results[i] = {"error": repr(e)}
 
-        # stream 0 is short (finishes within the drain time), 1-3 run 3000 tokens, 4-7 and 8 wait in the queue
+        # stream 0 is short (finishes within the drain time), 1-3 run 15,000 tokens, 4-7 and 8 wait in the queue
         threads = [threading.Thread(target=stream, args=(0, 200))]
-        threads += [threading.Thread(target=stream, args=(i, 3000)) for i in range(1, 8)]
+        threads += [threading.Thread(target=stream, args=(i, 15000)) for i in range(1, 8)]
         threads += [threading.Thread(target=plain, args=(8,))]
         for t in threads[:4]:  # one engine batch (within batch_wait_ms): 0-3 run
             t.start()
