@@ -24,7 +24,6 @@ runs one-off CPU work (loading a model to serve) on a thread that exits afterwar
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from typing import Any, Callable, Dict, Iterator, TypeVar
 
@@ -50,17 +49,6 @@ def serial_helper_threads() -> Iterator[None]:
         finally:
             if n > 1:
                 torch.set_num_threads(n)
-
-
-def serial_helpers(fn: Callable[..., T]) -> Callable[..., T]:
-    """Decorator form of :func:`serial_helper_threads`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        with serial_helper_threads():
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

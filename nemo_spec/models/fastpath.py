@@ -19,12 +19,13 @@ the module forward for the Llama and GPT-2 families, with caches, masks and at T
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,17 @@ def _tp_group() -> Any:
 #: (default) times the candidate kernels on the machine and keeps the fastest (see :func:`tune`); "linear" always
 #: ``F.linear``; "transposed" always ``(W @ x^T)^T``. Environment variable ``NEMO_SPEC_SMALL_GEMM``.
 SMALL_GEMM = os.environ.get("NEMO_SPEC_SMALL_GEMM", "auto")
+@contextlib.contextmanager
+def small_gemm_rule(mode: str) -> Iterator[None]:
+    """:data:`SMALL_GEMM` set to ``mode`` for the block (restored after): rules side by side in one process."""
+    global SMALL_GEMM
+    before, SMALL_GEMM = SMALL_GEMM, mode
+    try:
+        yield
+    finally:
+        SMALL_GEMM = before
+
+
 #: row counts up to this get a timed kernel choice; larger products always take ``F.linear``
 MAX_TUNED_ROWS = 32
 
@@ -89,14 +101,20 @@ def _alone(w: torch.Tensor) -> WeightGroup:
     return group
 
 
+def _cpu_matrix(p: torch.Tensor) -> bool:
+    return p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"
+
+
+def _embedding_tables(module: torch.nn.Module) -> List[torch.Tensor]:
+    return [p for m in module.modules() if type(m).__name__.endswith("Embedding") for p in m.parameters(recurse=False)]
+
+
 def register(module: torch.nn.Module) -> None:
     """Group the CPU weight matrices of ``module`` (a model, its draft included) so that their small-row kernels
     are timed together, on first use of each row count; re-registering a module is a no-op. Embedding tables are
     left out (a tied output layer's weight is then timed on its own: the largest matrix, cold by itself)."""
-    tables = {id(p) for m in module.modules() if type(m).__name__.endswith("Embedding")
-              for p in m.parameters(recurse=False)}
-    ws = [p for p in module.parameters() if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu"
-          and id(p) not in tables]
+    tables = {id(p) for p in _embedding_tables(module)}
+    ws = [p for p in module.parameters() if _cpu_matrix(p) and id(p) not in tables]
     if not ws:
         return
     first = _GROUP_OF.get(id(ws[0]))
@@ -129,12 +147,17 @@ def _run(k: Kernel, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x2.t()).t()[:rows].contiguous()
 
 
+def _cpu_weights(group: WeightGroup) -> List[torch.Tensor]:
+    """The group's weights still alive and on the CPU (the ones :func:`tune` sweeps)."""
+    return [w for w in (r() for r in group.refs) if w is not None and w.device.type == "cpu"]
+
+
 def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) -> None:
     """Choose the kernel of every weight shape of ``group`` for ``rows`` rows: each candidate of :func:`candidates`
     sweeps all the group's weights (one warm-up sweep, then ``sweeps`` timed ones, candidates alternating), each
     call timed; per shape the candidate with the lowest median total wins, ``F.linear`` unless another is faster
     by more than ``margin`` (so noise cannot pick a kernel that is not really faster)."""
-    weights = [w for w in (r() for r in group.refs) if w is not None and w.device.type == "cpu"]
+    weights = _cpu_weights(group)
     cands = candidates(rows)
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     spent: Dict[Tuple[Any, ...], List[float]] = {}
@@ -161,34 +184,33 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
                   {k[0]: v for k, v in list(group.choice.items()) if k[2] == rows})
 
 
+def _ensure_tuned(group: WeightGroup, rows: int) -> bool:
+    """Time ``group`` for ``rows`` rows (one tuning at a time per group) unless every shape it sweeps already has
+    a kernel at this thread count; returns whether it timed."""
+    threads = torch.get_num_threads()
+    with group.lock:
+        if all((tuple(w.shape), w.dtype, rows, threads) in group.choice for w in _cpu_weights(group)):
+            return False
+        tune(group, rows)
+        return True
+
+
 def pretune(module: torch.nn.Module, max_rows: int = MAX_TUNED_ROWS) -> int:
     """Time the small-row kernels of ``module``'s weights (see :func:`register`) for every row count 1..max_rows
     now instead of at first use, where each new row count would pause generation for a few sweeps over the
     weights (a server meets a new count whenever a row joins or leaves). Row counts already timed are skipped;
     a no-op unless the rule is ``auto``. Returns how many (group, row count) timings ran."""
-    if SMALL_GEMM != "auto":
+    if SMALL_GEMM != "auto" or max_rows < 1:
         return 0
     register(module)
     groups = {id(g): g for g in (_GROUP_OF.get(id(p)) for p in module.parameters()) if g is not None}
     if any(getattr(m, "share_embeddings_and_output_weights", False) for m in module.modules()):
-        for m in module.modules():  # a tied output layer multiplies by the embedding table: timed on its own
-            if type(m).__name__.endswith("Embedding"):
-                for p in m.parameters(recurse=False):
-                    if p.dim() == 2 and p.is_floating_point() and p.device.type == "cpu":
-                        g = _GROUP_OF.get(id(p)) or _alone(p)
-                        groups[id(g)] = g
-    threads = torch.get_num_threads()
-    done = 0
-    for rows in range(1, min(int(max_rows), MAX_TUNED_ROWS) + 1):
-        for group in groups.values():
-            shapes = {(tuple(w.shape), w.dtype) for w in (r() for r in group.refs) if w is not None
-                      and w.device.type == "cpu"}
-            if all((shape, dtype, rows, threads) in group.choice for shape, dtype in shapes):
-                continue
-            with group.lock:
-                tune(group, rows)
-            done += 1
-    return done
+        for p in _embedding_tables(module):  # a tied output layer multiplies by the table: timed on its own
+            if _cpu_matrix(p):
+                g = _GROUP_OF.get(id(p)) or _alone(p)
+                groups[id(g)] = g
+    return sum(_ensure_tuned(group, rows) for rows in range(1, min(int(max_rows), MAX_TUNED_ROWS) + 1)
+               for group in groups.values())
 
 
 def kernel(weight: torch.Tensor, rows: int) -> Kernel:
@@ -204,9 +226,7 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
     if k is None:
-        with group.lock:
-            if key not in group.choice:
-                tune(group, rows)
+        _ensure_tuned(group, rows)
         k = group.choice.get(key)
         if k is None:  # the group no longer sweeps this weight's shape (moved off the CPU since it was grouped)
             lone = _alone(weight)

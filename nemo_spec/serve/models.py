@@ -104,8 +104,6 @@ def _pretune(spec: ModelSpec, models: List[Optional[torch.nn.Module]], step_rows
     """Time the few-row CPU kernels now (``spec.pretune_rows``, default: the row counts a step can use) rather than
     at first use, where each new row count would pause the running batch (fastpath.pretune)."""
     rows = min(step_rows if spec.pretune_rows is None else spec.pretune_rows, fastpath.MAX_TUNED_ROWS)
-    if rows < 1 or fastpath.SMALL_GEMM != "auto":
-        return
     t0 = time.perf_counter()
     n = sum(fastpath.pretune(m, rows) for m in models if m is not None)
     if n:
