@@ -228,11 +228,8 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     pickle.dumps(model)
 
     lone = torch.randn(8, 16)
-    fastpath.SMALL_GEMM, before = "auto", fastpath.SMALL_GEMM
-    try:
+    with fastpath.small_gemm_rule("auto"):
         fastpath.kernel(lone, 2)
-    finally:
-        fastpath.SMALL_GEMM = before
     key = id(lone)
     assert key in fastpath._GROUP_OF
     del lone

@@ -264,7 +264,6 @@ def time_forwards(model: torch.nn.Module, rows: Sequence[int], modes: Sequence[s
     dev = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     cache = new_kv_cache(target, batch_size=1, max_len=context + max(rows))
-    before = fastpath.SMALL_GEMM
 
     def forward(n: int, cached: int) -> None:
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(dev)
@@ -273,26 +272,23 @@ def time_forwards(model: torch.nn.Module, rows: Sequence[int], modes: Sequence[s
         gpt_forward(target, ids, ctx)
 
     times: Dict[Tuple[int, str], List[float]] = {}
-    try:
-        with torch.no_grad():
-            forward(context, 0)
-            cache.lengths += context
-            for n in rows:  # first use of each row count (kernel timing) outside the measurement
-                for mode in modes:
-                    fastpath.SMALL_GEMM = mode
+    with torch.no_grad():
+        forward(context, 0)
+        cache.lengths += context
+        for n in rows:  # first use of each row count (kernel timing) outside the measurement
+            for mode in modes:
+                with fastpath.small_gemm_rule(mode):
                     forward(n, context)
-            for _ in range(max(1, rounds)):
-                for n in rows:
-                    for mode in modes:
-                        fastpath.SMALL_GEMM = mode
+        for _ in range(max(1, rounds)):
+            for n in rows:
+                for mode in modes:
+                    with fastpath.small_gemm_rule(mode):
                         _sync(dev)
                         t0 = time.perf_counter()
                         for _ in range(max(1, calls)):
                             forward(n, context)
                         _sync(dev)
-                        times.setdefault((n, mode), []).append((time.perf_counter() - t0) / max(1, calls))
-    finally:
-        fastpath.SMALL_GEMM = before
+                    times.setdefault((n, mode), []).append((time.perf_counter() - t0) / max(1, calls))
     return [{"rows": n, "mode": mode, "ms": 1e3 * statistics.median(times[(n, mode)])} for n in rows for mode in modes]
 
 
@@ -326,12 +322,8 @@ def _check_gemm_modes(modes: Sequence[str]) -> None:
 
 def _with_gemm(mode: str, method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: Any) -> Dict[str, Any]:
     """``fn`` run with the fast path's small-row kernel rule set to ``mode`` (restored after), relabelled."""
-    before = fastpath.SMALL_GEMM
-    fastpath.SMALL_GEMM = mode
-    try:
+    with fastpath.small_gemm_rule(mode):
         return _relabel(method, fn, *args, **kw)
-    finally:
-        fastpath.SMALL_GEMM = before
 
 
 #: Outputs the global suffix store holds in the benchmark's suffix_global row (unless suffix options say).
