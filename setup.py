@@ -29,5 +29,7 @@ setup(
         # GGUF import (llama.cpp files); accelerate only for transformers' own GGUF loading in the parity tests
         "gguf": ["gguf>=0.10", "accelerate"],
     },
+    # the few-row CPU kernel's source, compiled on first use (nemo_spec/models/skinny_gemm.py)
+    package_data={"nemo_spec": ["models/skinny_gemm.cpp"]},
     include_package_data=True,
 )

@@ -187,7 +187,7 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     as it is and zero-padded) computes F.linear's product; "auto" times them once per row count over the weights
     a model registered together and caches the choice in their group; a lone weight gets a group of its own;
     forced modes override; an unknown mode is an error naming the variable."""
-    from nemo_spec.models import fastpath
+    from nemo_spec.models import fastpath, skinny_gemm
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
@@ -197,10 +197,13 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
         for k in fastpath.candidates(rows):
             got = fastpath._run(k, x.reshape(rows, 16), w).view(1, rows, 48) + b
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for mode in ("linear", "transposed", "auto"):
+        for mode in ("linear", "transposed", "skinny", "auto"):
             monkeypatch.setattr(fastpath, "SMALL_GEMM", mode)
             torch.testing.assert_close(fastpath.linear(x, w, b), want, atol=1e-5, rtol=1e-5)
-    assert fastpath.candidates(1) == [(False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4)]
+    torch_kernels = [("linear", 1), ("transposed", 1), ("linear", 2), ("transposed", 2), ("linear", 4),
+                     ("transposed", 4)]
+    assert fastpath.candidates(1) == torch_kernels + [("skinny", 1)] * skinny_gemm.available()
+    assert fastpath.candidates(1, w.double()) == torch_kernels  # the compiled kernel is fp32 only
     assert {p for _, p in fastpath.candidates(11)} == {11, 12, 16}
     assert sorted(k[2] for k in fastpath._GROUP_OF[id(w)].choice) == [1, 3, 5, 11, 25]  # 33 rows always take F.linear
 
@@ -239,18 +242,21 @@ def test_fastpath_small_gemm_kernel_choice(monkeypatch):
     real = fastpath._run
 
     def timed(kernel, x2, weight):
-        if kernel != (True, 4):
+        if kernel != ("transposed", 4):
             time.sleep(2e-3)
         return real(kernel, x2, weight)
 
     monkeypatch.setattr(fastpath, "_run", timed)
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")
-    assert fastpath.kernel(model[0].weight, 3) == (True, 4) == fastpath.kernel(model[1].weight, 3)
+    assert fastpath.kernel(model[0].weight, 3) == ("transposed", 4) == fastpath.kernel(model[1].weight, 3)
     assert {k[2] for k in group.choice} == {3}  # both shapes timed in the one sweep
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "transposed")
-    assert fastpath.kernel(model[0].weight, 3) == (True, 3)  # a forced mode overrides the cached measurement
+    assert fastpath.kernel(model[0].weight, 3) == ("transposed", 3)  # a forced mode overrides the cached measurement
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "linear")
-    assert fastpath.kernel(model[0].weight, 3) == (False, 3)
+    assert fastpath.kernel(model[0].weight, 3) == ("linear", 3)
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "skinny")
+    assert fastpath.kernel(model[0].weight, 3) == ("skinny" if skinny_gemm.available() else "linear", 3)
+    assert fastpath.kernel(model[0].weight.double(), 3) == ("linear", 3)  # fp64: not the kernel's
     monkeypatch.setattr(fastpath, "SMALL_GEMM", "fastest")
     with pytest.raises(ValueError, match="NEMO_SPEC_SMALL_GEMM"):
         fastpath.kernel(torch.randn(5, 7), 2)

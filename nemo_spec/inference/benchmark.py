@@ -310,7 +310,7 @@ def _relabel(method: str, fn: Callable[..., Dict[str, Any]], *args: Any, **kw: A
 
 
 #: small-row CPU kernel rules a benchmark can put side by side (``--gemm``; see ``fastpath.SMALL_GEMM``)
-GEMM_MODES = ("linear", "transposed", "auto")
+GEMM_MODES = ("linear", "transposed", "skinny", "auto")
 
 
 def _check_gemm_modes(modes: Sequence[str]) -> None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
 
 from nemo_spec import parallel
+from nemo_spec.models import skinny_gemm
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ def _tp_group() -> Any:
 
 #: How the fast path computes CPU products of few rows (decode steps, verification blocks, draft trees): "auto"
 #: (default) times the candidate kernels on the machine and keeps the fastest (see :func:`tune`); "linear" always
-#: ``F.linear``; "transposed" always ``(W @ x^T)^T``. Environment variable ``NEMO_SPEC_SMALL_GEMM``.
+#: ``F.linear``; "transposed" always ``(W @ x^T)^T``; "skinny" always the compiled kernel of
+#: :mod:`~nemo_spec.models.skinny_gemm` (``F.linear`` where it is unavailable). Environment variable
+#: ``NEMO_SPEC_SMALL_GEMM``.
 SMALL_GEMM = os.environ.get("NEMO_SPEC_SMALL_GEMM", "auto")
 @contextlib.contextmanager
 def small_gemm_rule(mode: str) -> Iterator[None]:
@@ -67,9 +70,10 @@ def small_gemm_rule(mode: str) -> Iterator[None]:
 #: row counts up to this get a timed kernel choice; larger products always take ``F.linear``
 MAX_TUNED_ROWS = 32
 
-#: a kernel: (transposed, rows computed) — ``F.linear`` (False) or ``(W @ x^T)^T`` (True) over x zero-padded to that
-#: many rows
-Kernel = Tuple[bool, int]
+#: a kernel: (kind, rows computed) — kind ``"linear"`` (``F.linear``) or ``"transposed"`` (``(W @ x^T)^T``) over x
+#: zero-padded to that many rows, or ``"skinny"`` (:func:`skinny_gemm.linear`, never padded)
+Kernel = Tuple[str, int]
+KINDS = ("linear", "transposed", "skinny")
 
 
 class WeightGroup:
@@ -125,23 +129,29 @@ def register(module: torch.nn.Module) -> None:
         _set_group(w, group)
 
 
-def candidates(rows: int) -> List[Kernel]:
-    """The kernels timed for ``rows`` rows: ``F.linear`` and the transposed product, each over x as it is and
-    zero-padded to the next multiple of 2, 4, 8, 16 and 32 rows up to twice the rows (at least 4). CPU GEMM
-    libraries run some column counts much faster than others: over SmolLM2-135M's weights on a 2-core host a
-    1-row product ran 1.6x faster as 2 transposed rows, 11 rows 1.9x faster as 16."""
+def candidates(rows: int, weight: Optional[torch.Tensor] = None) -> List[Kernel]:
+    """The kernels timed for ``rows`` rows (of ``weight``, if given): ``F.linear`` and the transposed product, each
+    over x as it is and zero-padded to the next multiple of 2, 4, 8, 16 and 32 rows up to twice the rows (at least
+    4), and the compiled skinny kernel where it is available (and supports the weight). CPU GEMM libraries run some
+    column counts much faster than others: over SmolLM2-135M's weights on a 2-core host a 1-row product ran 1.6x
+    faster as 2 transposed rows, 11 rows 1.9x faster as 16; the skinny kernel ran 1-16 rows 1.6-3x faster still."""
     pads = sorted({rows} | {-(-rows // m) * m for m in (2, 4, 8, 16, 32)})
     pads = [p for p in pads if p <= max(2 * rows, 4)]
-    return [(False, rows)] + [(t, p) for p in pads for t in (False, True) if (t, p) != (False, rows)]
+    out = [("linear", rows)] + [(t, p) for p in pads for t in ("linear", "transposed") if (t, p) != ("linear", rows)]
+    if skinny_gemm.supports(weight) if weight is not None else skinny_gemm.available():
+        out.append(("skinny", rows))
+    return out
 
 
 def _run(k: Kernel, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Kernel ``k`` on x2 [rows, in]: [rows, out]."""
-    transposed, pad = k
+    kind, pad = k
     rows = x2.shape[0]
+    if kind == "skinny":
+        return skinny_gemm.linear(x2, weight)
     if pad > rows:
         x2 = torch.cat([x2, x2.new_zeros(pad - rows, x2.shape[1])])
-    if not transposed:
+    if kind == "linear":
         y = F.linear(x2, weight)
         return y if pad == rows else y[:rows]
     return (weight @ x2.t()).t()[:rows].contiguous()
@@ -154,11 +164,12 @@ def _cpu_weights(group: WeightGroup) -> List[torch.Tensor]:
 
 def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) -> None:
     """Choose the kernel of every weight shape of ``group`` for ``rows`` rows: each candidate of :func:`candidates`
-    sweeps all the group's weights (one warm-up sweep, then ``sweeps`` timed ones, candidates alternating), each
-    call timed; per shape the candidate with the lowest median total wins, ``F.linear`` unless another is faster
-    by more than ``margin`` (so noise cannot pick a kernel that is not really faster)."""
+    sweeps all the group's weights it applies to (one warm-up sweep, then ``sweeps`` timed ones, candidates
+    alternating), each call timed; per shape the candidate with the lowest median total wins, ``F.linear`` unless
+    another is faster by more than ``margin`` (so noise cannot pick a kernel that is not really faster)."""
     weights = _cpu_weights(group)
-    cands = candidates(rows)
+    cands_of = {(tuple(w.shape), w.dtype): candidates(rows, w) for w in weights}
+    cands = list(dict.fromkeys(c for cs in cands_of.values() for c in cs))
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     spent: Dict[Tuple[Any, ...], List[float]] = {}
     with torch.no_grad():
@@ -166,19 +177,22 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
             for c in (cands if sweep % 2 else cands[::-1]):
                 tot: Dict[Tuple[Any, ...], float] = {}
                 for w in weights:
+                    shape = (tuple(w.shape), w.dtype)
+                    if c not in cands_of[shape]:
+                        continue
                     x2 = xs[(w.shape[1], w.dtype)]
                     t0 = time.perf_counter()
                     _run(c, x2, w)
-                    key = (tuple(w.shape), w.dtype, c)
+                    key = (*shape, c)
                     tot[key] = tot.get(key, 0.0) + time.perf_counter() - t0
                 if sweep:
                     for key, t in tot.items():
                         spent.setdefault(key, []).append(t)
     threads = torch.get_num_threads()
-    for shape, dtype in {(tuple(w.shape), w.dtype) for w in weights}:
-        med = {c: sorted(spent[(shape, dtype, c)])[sweeps // 2] for c in cands}
-        best = min(cands[1:], key=lambda c: med[c])
-        group.choice[(shape, dtype, rows, threads)] = best if med[best] < margin * med[cands[0]] else cands[0]
+    for (shape, dtype), cs in cands_of.items():
+        med = {c: sorted(spent[(shape, dtype, c)])[sweeps // 2] for c in cs}
+        best = min(cs[1:], key=lambda c: med[c])
+        group.choice[(shape, dtype, rows, threads)] = best if med[best] < margin * med[cs[0]] else cs[0]
     if log.isEnabledFor(logging.DEBUG):
         log.debug("small-row CPU kernels for %d rows: %s", rows,
                   {k[0]: v for k, v in list(group.choice.items()) if k[2] == rows})
@@ -217,11 +231,13 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
     """The kernel for ``rows`` rows of ``weight`` on CPU (see :data:`SMALL_GEMM`, :func:`candidates`): timed once
     per weight group, shape, row count, dtype and thread count. A weight no model registered is timed alone."""
     if SMALL_GEMM == "linear" or rows > MAX_TUNED_ROWS:
-        return (False, rows)
+        return ("linear", rows)
     if SMALL_GEMM == "transposed":
-        return (True, rows)
+        return ("transposed", rows)
+    if SMALL_GEMM == "skinny":
+        return ("skinny" if skinny_gemm.supports(weight) else "linear", rows)
     if SMALL_GEMM != "auto":
-        raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear or transposed, got {SMALL_GEMM!r}")
+        raise ValueError(f"NEMO_SPEC_SMALL_GEMM must be auto, linear, transposed or skinny, got {SMALL_GEMM!r}")
     group = _GROUP_OF.get(id(weight)) or _alone(weight)
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
@@ -242,15 +258,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Decode steps, verification blocks and draft trees are a few tokens wide, and which CPU kernel is fastest for
     such shapes depends on the machine and on the row count, by large factors: on one 2-core host a 1-row
     ``F.linear`` over SmolLM2-135M's weights streamed them at 11 GB/s where ``(W @ x^T)^T`` over the row padded to
-    two streamed 26 GB/s; 5 rows ran 1.7x faster transposed; elsewhere ``F.linear`` won. So the choice is timed
+    two streamed 26 GB/s; 5 rows ran 1.7x faster transposed; elsewhere ``F.linear`` won; the compiled skinny kernel
+    (:mod:`~nemo_spec.models.skinny_gemm`, where it builds) streamed 1-5 rows at 18-24 GB/s. So the choice is timed
     on the model's own weights, once per row count (a one-off pause of a few sweeps over the weights). Same math;
     the summation order may differ in the last bits, as between any two GEMM kernels, so runs that must be
-    bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear``.
+    bit-reproducible across processes set ``NEMO_SPEC_SMALL_GEMM=linear`` (or ``skinny``, whose rows do not depend
+    on the row count either).
     """
     if x.device.type == "cpu":
         rows = x.numel() // x.shape[-1]
         k = kernel(weight, rows)
-        if k != (False, rows):
+        if k != ("linear", rows):
             y = _run(k, x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
