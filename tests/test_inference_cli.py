@@ -102,10 +102,22 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
     assert all(r["verify_ms_per_step"] > 0 and r["draft_ms_per_step"] >= 0 for r in ours)  # per decode step, split
     assert all(r.get("draft_ms_per_step") is None for r in res["rows"] if r["engine"] == "transformers")
     assert "ar_vs_transformers_b1" in res["summary"] and "best_speculative_b1" in res["summary"]
-    (t,) = [t for t in res["targets"] if not t["name"].startswith("suffix")]  # no EAGLE model: only AR's applies
+    t, tb = [t for t in res["targets"] if not t["name"].startswith("suffix")]  # no EAGLE model: AR's, best method's
     assert t["value"] == res["summary"]["ar_vs_transformers_b1"] and t["met"] == (t["value"] >= 1.0)
+    # the best of all our methods (plain decoding included) against transformers' best, at the same batch size
+    b1 = [r for r in res["rows"] if r["batch_size"] == 1]
+    ours = max((r for r in b1 if r["engine"] == "nemo_spec"), key=lambda r: r["tokens_per_s"])
+    theirs = max((r for r in b1 if r["engine"] == "transformers"), key=lambda r: r["tokens_per_s"])
+    best = res["summary"]["best_method_vs_transformers_best_b1"]
+    assert best == {"ours": ours["method"], "theirs": theirs["method"],
+                    "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]}
+    assert tb["name"] == f"our best method ({ours['method']}) tokens/s vs transformers' best ({theirs['method']})"
+    assert tb["value"] == best["ratio"] and tb["met"] == (best["ratio"] >= 1.5)
     paths = bench.write_outputs(res, tmp_path / "out")
-    assert "- target at batch 1: our AR tokens/s vs transformers generate >= 1: " in paths["benchmark.md"].read_text()
+    md = paths["benchmark.md"].read_text()
+    assert "- target at batch 1: our AR tokens/s vs transformers generate >= 1: " in md
+    assert (f"- best_method_vs_transformers_best_b1: our {best['ours']} at {best['ratio']:.2f}x transformers' "
+            f"{best['theirs']}") in md
     assert json.loads(paths["benchmark.json"].read_text())["config"]["max_new_tokens"] == 6
     assert "| transformers | assistant_model | 1 |" in paths["benchmark.md"].read_text()
     assert paths["benchmark.png"].read_bytes()[:4] == b"\x89PNG"

@@ -413,6 +413,13 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
             if hf_b:  # our best method against transformers' best (plain, prompt lookup, assisted) at this batch
                 summary[f"best_vs_transformers_best_b{b}"] = (
                     best["tokens_per_s"] / max(x["tokens_per_s"] for x in hf_b))
+        hf_b = [x for x in rows if x["engine"] == "transformers" and x["batch_size"] == b]
+        if hf_b:  # the best of all our methods, plain decoding included, against transformers' best
+            ours = max([r] + spec, key=lambda x: x["tokens_per_s"])
+            theirs = max(hf_b, key=lambda x: x["tokens_per_s"])
+            summary[f"best_method_vs_transformers_best_b{b}"] = {
+                "ours": ours["method"], "theirs": theirs["method"],
+                "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]}
     for r in rows:  # the compiled decode step / another kernel rule next to the default (same method, batch, run)
         if r["engine"] != "nemo_spec" or not (r["method"].endswith("+compiled") or "+gemm=" in r["method"]):
             continue
@@ -432,6 +439,8 @@ def summarize(rows: List[Dict[str, Any]], config: Dict[str, Any]) -> Dict[str, A
 TARGET_TREE_TAU = 3.5
 TARGET_EAGLE_SPEEDUP = 2.0
 TARGET_AR_VS_TRANSFORMERS = 1.0
+# Issue #19: the best of our methods (plain decoding included) against transformers' best (plain / prompt lookup).
+TARGET_BEST_VS_TRANSFORMERS_BEST = 1.5
 # Suffix decoding (issue #18): tokens/s against our and transformers' prompt lookup, proposal cost per step.
 TARGET_SUFFIX_VS_PROMPT_LOOKUP = 1.25
 TARGET_SUFFIX_VS_HF_PROMPT_LOOKUP = 1.6
@@ -456,6 +465,10 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
         add(f"EAGLE ({best['method']}) tokens/s vs our AR", best["speedup_vs_ar"], TARGET_EAGLE_SPEEDUP)
     if "ar_vs_transformers_b1" in summary:
         add("our AR tokens/s vs transformers generate", summary["ar_vs_transformers_b1"], TARGET_AR_VS_TRANSFORMERS)
+    best = summary.get("best_method_vs_transformers_best_b1")
+    if best is not None:
+        add(f"our best method ({best['ours']}) tokens/s vs transformers' best ({best['theirs']})", best["ratio"],
+            TARGET_BEST_VS_TRANSFORMERS_BEST)
     pl = next((r for r in b1 if r["method"] == "prompt_lookup"), None)
     hf_pl = next((r for r in rows if r["engine"] == "transformers" and r["method"] == "prompt_lookup"), None)
     ar = next((r for r in b1 if r["method"] == "ar"), None)
@@ -488,7 +501,9 @@ def to_markdown(result: Dict[str, Any]) -> str:
                      f"| {vm} | {sp} | {ma} |")
     lines.append("")
     for k, v in result["summary"].items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "ratio" in v:
+            lines.append(f"- {k}: our {v['ours']} at {v['ratio']:.2f}x transformers' {v['theirs']}")
+        elif isinstance(v, dict):
             lines.append(f"- {k}: {v['method']} at {v['speedup_vs_ar']:.2f}x our AR")
         else:
             lines.append(f"- {k}: {v:.2f}x")
