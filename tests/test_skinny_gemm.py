@@ -135,3 +135,32 @@ def test_unavailable_falls_back_to_torch_kernels(fresh_load, monkeypatch, caplog
     with pytest.raises(RuntimeError, match="kernel is unavailable: .*" + re.escape(reason)):
         skinny_gemm.linear(x, w)
     assert not fresh_load.exists() or os.listdir(fresh_load) == []
+
+
+@needs_kernel
+def test_rms_norm_equals_torch_and_rows_are_independent(monkeypatch):
+    """The library's RMSNorm: F.rms_norm's values for odd and vector-multiple widths, any leading shape; each row
+    bitwise the same whatever the row count; the fast path uses it for few fp32 rows under auto / skinny only."""
+    torch.manual_seed(0)
+    for d in (576, 19, 8):
+        w = torch.randn(d)
+        x = torch.randn(2, 7, d) * 3
+        got = skinny_gemm.rms_norm(x, w, 1e-5)
+        torch.testing.assert_close(got, F.rms_norm(x, (d,), w, 1e-5), atol=1e-5, rtol=1e-5)
+        for i in range(7):
+            assert torch.equal(skinny_gemm.rms_norm(x[:, i:i + 1], w, 1e-5), got[:, i:i + 1])
+    with pytest.raises(ValueError, match="float64"):
+        skinny_gemm.rms_norm(torch.randn(2, 8).double(), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match=r"weight \(7,\)"):
+        skinny_gemm.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    norm = torch.nn.RMSNorm(16, eps=None)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    calls = []
+    real = skinny_gemm.rms_norm
+    monkeypatch.setattr(skinny_gemm, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    for mode in ("auto", "skinny", "linear"):
+        for x in (torch.randn(3, 1, 16), torch.randn(40, 1, 16)):  # 40 rows: more than a few
+            with fastpath.small_gemm_rule(mode), torch.no_grad():
+                torch.testing.assert_close(fastpath.norm(norm, x), norm(x), atol=1e-6, rtol=1e-6)
+    assert calls == [(3, 1, 16), (3, 1, 16)]  # few rows under auto and skinny only

@@ -294,7 +294,11 @@ def norm(module: Optional[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
     if module is None or isinstance(module, IdentityOp):
         return x
     if type(module) is torch.nn.RMSNorm:  # what its forward calls, without the Python frame
-        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        if (SMALL_GEMM in ("auto", "skinny") and x.numel() <= MAX_TUNED_ROWS * x.shape[-1]
+                and skinny_gemm.supports_norm(x, module.weight)):  # few fp32 rows: the compiled kernel's norm
+            return skinny_gemm.rms_norm(x, module.weight, eps)
+        return F.rms_norm(x, module.normalized_shape, module.weight, eps)
     return module.forward(x)
 
 

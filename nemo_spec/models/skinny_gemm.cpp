@@ -73,3 +73,25 @@ extern "C" void nemo_spec_skinny_linear(const float* x, const float* w, float* y
     }
   }
 }
+
+// y[M, D] = x[M, D] * rsqrt(mean(x^2) + eps) * w[D] (RMSNorm over the last dim, fp32), one row after another on
+// the calling thread: a decode step's norms are a few rows of a few hundred elements, where torch's composite
+// rms_norm spends ~30 us in op dispatch. Each row's sum of squares is taken in the same lane order as the product
+// above, so a row's result does not depend on the row count either.
+extern "C" void nemo_spec_rms_norm(const float* x, const float* w, float* y, long M, long D, float eps) {
+  const long dv = D / VW * VW;
+  for (long m = 0; m < M; ++m) {
+    const float* xr = x + m * D;
+    float* yr = y + m * D;
+    vf acc = (vf){};
+    for (long k = 0; k < dv; k += VW) {
+      const vf v = *(const vfu*)(xr + k);
+      acc += v * v;
+    }
+    float s = 0.f;
+    for (int j = 0; j < VW; ++j) s += acc[j];
+    for (long k = dv; k < D; ++k) s += xr[k] * xr[k];
+    const float r = 1.0f / __builtin_sqrtf(s / (float)D + eps);
+    for (long k = 0; k < D; ++k) yr[k] = xr[k] * r * w[k];
+  }
+}

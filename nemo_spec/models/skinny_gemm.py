@@ -37,7 +37,8 @@ ENV_DIR = "NEMO_SPEC_KERNEL_DIR"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _LOCK = threading.Lock()
-_fn: Any = None  # the ctypes function once loaded
+_fn: Any = None  # the ctypes product function once loaded
+_norm: Any = None  # the ctypes RMSNorm function
 _tried = False
 _reason = "not tried yet"
 
@@ -115,18 +116,21 @@ def _load() -> Any:
     fn = lib.nemo_spec_skinny_linear
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     fn.restype = None
-    return fn
+    norm = lib.nemo_spec_rms_norm
+    norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    norm.restype = None
+    return fn, norm
 
 
 def available() -> bool:
     """Whether the kernel can be used in this process (builds / loads it on the first call)."""
-    global _fn, _tried, _reason
+    global _fn, _norm, _tried, _reason
     if _tried:
         return _fn is not None
     with _LOCK:
         if not _tried:
             try:
-                _fn = _load()
+                _fn, _norm = _load()
                 _reason = ""
             except Exception as e:  # noqa: BLE001 — any failure just means torch's kernels are used
                 _reason = str(e) or type(e).__name__
@@ -164,8 +168,28 @@ def linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (D,), weight, eps)`` for fp32 CPU x [..., D] of few rows (same shape out): the library's
+    row-by-row RMSNorm, without torch's per-op dispatch. Needs :func:`supports_norm`."""
+    if not supports_norm(x, weight):
+        raise ValueError(f"skinny_gemm.rms_norm needs fp32 CPU x [..., D] and a contiguous fp32 weight [D], got "
+                         f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    d = x.shape[-1]
+    _norm(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), xc.numel() // d, d, float(eps))
+    return y
+
+
+def supports_norm(x: torch.Tensor, weight: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`rms_norm` applies: fp32 CPU x and a contiguous fp32 weight over its last dim, kernel built."""
+    return (weight is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and weight.is_contiguous() and available())
+
+
 def reset() -> None:
     """Forget the load attempt (tests: the next :func:`available` builds / loads again)."""
-    global _fn, _tried, _reason
+    global _fn, _norm, _tried, _reason
     with _LOCK:
-        _fn, _tried, _reason = None, False, "not tried yet"
+        _fn, _norm, _tried, _reason = None, None, False, "not tried yet"
