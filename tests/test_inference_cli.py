@@ -125,6 +125,43 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
         bench.benchmark(model, prompts, None, methods=["eagle"], hf=False)
 
 
+def test_benchmark_continuous_schedule(ckpt, tmp_path, monkeypatch):
+    """--schedule continuous: our rows run all prompts through one session of <batch> slots (one generate call with
+    max_batch), not consecutive fixed batches; same greedy tokens; transformers' rows stay fixed batches; the
+    schedule is recorded in the rows, the config and the markdown; an unknown schedule is an error."""
+    from nemo_spec.checkpoint import load_model
+
+    path, draft, tok = ckpt
+    model, dmodel = load_model(path), load_model(draft)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["the cat sat on", "the dog", "in the tree the bird"]]
+    calls = []
+    real = bench.generate
+
+    def spy(model, prompts, params, **kw):
+        calls.append((len(prompts), params.max_new_tokens, (kw.get("options") or {}).get("max_batch")))
+        return real(model, prompts, params, **kw)
+
+    monkeypatch.setattr(bench, "generate", spy)
+    kw = dict(methods=["ar", "draft_model"], batch_sizes=(2,), max_new_tokens=6, hf=False, repeats=1,
+              options={"num_draft_tokens": 3})
+    fixed = bench.benchmark(model, prompts, dmodel, **kw)
+    # per method (ar, draft_model): a warm-up on the first batch, then two batches
+    assert calls == [(2, 6, None), (2, 6, None), (1, 6, None)] * 2
+    calls.clear()
+    cont = bench.benchmark(model, prompts, dmodel, schedule="continuous", **kw)
+    assert calls == [(2, 6, 2), (3, 6, 2)] * 2  # per method: the warm-up, then one session of 2 slots
+    assert all(r["schedule"] == "continuous" for r in cont["rows"]) and cont["config"]["schedule"] == "continuous"
+    by = {r["method"]: r["tokens"] for r in fixed["rows"]}
+    assert all(r["tokens"] == by[r["method"]] == by["ar"] for r in cont["rows"])  # greedy: the same tokens
+    assert "continuous batching over <batch> slots" in bench.to_markdown(cont)
+    assert "continuous" not in bench.to_markdown(fixed)
+    with pytest.raises(SamplingError, match="unknown schedule"):
+        bench.benchmark(model, prompts, None, methods=["ar"], hf=False, schedule="greedy")
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--model", "x", "--schedule", "rolling"])
+    assert bench.build_parser().parse_args(["--model", "x", "--schedule", "continuous"]).schedule == "continuous"
+
+
 def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):
     """--gemm: every method once more under another small-row CPU kernel rule in the same round robin, the rule
     restored after each row; the summary says how the rule in force compares; an unknown rule is an error.

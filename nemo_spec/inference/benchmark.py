@@ -52,9 +52,16 @@ def _chunks(items: Sequence[Any], n: int) -> List[Sequence[Any]]:
 
 def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batch_size: int, max_new_tokens: int,
              draft_model: Optional[torch.nn.Module] = None, options: Optional[Dict[str, Any]] = None,
-             warmup: bool = True, repeats: int = 1) -> Dict[str, Any]:
-    """Greedy generation of all prompts in batches with our engine; returns tokens, tokens/s, tau, forwards."""
+             warmup: bool = True, repeats: int = 1, schedule: str = "fixed") -> Dict[str, Any]:
+    """Greedy generation of all prompts with our engine; returns tokens, tokens/s, tau, forwards. ``schedule``:
+    ``fixed`` runs the prompts in consecutive batches of ``batch_size`` (each until its slowest row finishes),
+    ``continuous`` through one session of ``batch_size`` slots (a row joins as soon as one finishes, as in the
+    server)."""
+    if schedule not in SCHEDULES:
+        raise SamplingError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     opts = {**(options or {}), "ignore_eos": True}
+    if schedule == "continuous":
+        opts["max_batch"] = batch_size
     params = SamplingParams(max_new_tokens=max_new_tokens)
     dev = next(unwrap(model).parameters()).device
     if warmup:
@@ -70,7 +77,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
         draft_ms = verify_ms = 0.0
         _sync(dev)
         t0 = time.perf_counter()
-        for chunk in _chunks(prompts, batch_size):
+        for chunk in (_chunks(prompts, batch_size) if schedule == "fixed" else [prompts]):
             outs = generate(model, list(chunk), params, method=method, draft_model=draft_model, options=opts)
             sess = outs[0].stats.get("session", {})
             n_dec = sess.get("decode_steps", 0)
@@ -90,9 +97,13 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
     n = sum(len(t) for t in tokens)
     return {"engine": "nemo_spec", "method": method, "batch_size": batch_size, "new_tokens": n, "time_s": dt,
             "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
-            "tokens": tokens, "options": opts, "draft_nodes_chosen": chosen,
+            "tokens": tokens, "options": opts, "schedule": schedule, "draft_nodes_chosen": chosen,
             "draft_ms_per_step": draft_ms / steps if steps else None,
             "verify_ms_per_step": verify_ms / steps if steps else None}
+
+
+#: how our rows batch the prompts (``run_ours``): consecutive fixed batches, or one continuous-batching session
+SCHEDULES = ("fixed", "continuous")
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -148,7 +159,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               suffix_options: Optional[Dict[str, Any]] = None,
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
               compile_mode: Optional[str] = None,
-              extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = ()) -> Dict[str, Any]:
+              extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = (),
+              schedule: str = "fixed") -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -162,12 +174,18 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     against ``ar+gemm=<mode>``) next to the rule in force.
     ``extra_models``: further speculative models on the same base (e.g. P-EAGLE and DFlash drafts next to an
     EAGLE-3 one); their draft methods join the same round robin (a method the main model has, or an earlier extra, gets ``@<i>``).
+    ``schedule`` (see :func:`run_ours`): how our rows batch the prompts at each batch size — ``fixed`` batches or
+    ``continuous`` batching over that many slots; transformers' rows always run fixed batches (``generate`` has no
+    continuous batching).
     """
     if not prompts:
         raise SamplingError("benchmark needs at least one prompt")
     if any(b < 1 for b in batch_sizes):
         raise SamplingError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     _check_gemm_modes(gemm_modes)
+    if schedule not in SCHEDULES:
+        raise SamplingError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
+    ours = functools.partial(run_ours, schedule=schedule)
     avail = available_methods(model, draft_model)
     methods = list(methods) if methods else avail
     missing = [m for m in methods if m not in avail]
@@ -184,24 +202,24 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             if m == "suffix":
                 opts = {**(options or {}), **(suffix_options or {})}
             jobs.append((f"nemo_spec {m} batch {b}",
-                         functools.partial(run_ours, model, prompts, m, b, max_new_tokens, draft_model, opts)))
+                         functools.partial(ours, model, prompts, m, b, max_new_tokens, draft_model, opts)))
             if adaptive and m != "ar":
                 jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
-                    _relabel, f"{m}+adaptive", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    _relabel, f"{m}+adaptive", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True})))
             if compile_mode:
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
-                    _relabel, f"{m}+compiled", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    _relabel, f"{m}+compiled", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "compile": compile_mode})))
             for g in gemm_modes:
                 jobs.append((f"nemo_spec {m}+gemm={g} batch {b}", functools.partial(
-                    _with_gemm, g, f"{m}+gemm={g}", run_ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    _with_gemm, g, f"{m}+gemm={g}", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     opts)))
             if m == "suffix" and warm_prompts:
                 gopts = warm_suffix_store(model, warm_prompts, max_new_tokens, {**(options or {}),
                                                                                 **(suffix_options or {})})
                 jobs.append((f"nemo_spec suffix_global batch {b}", functools.partial(
-                    _relabel, "suffix_global", run_ours, model, prompts, "suffix", b, max_new_tokens, None, gopts)))
+                    _relabel, "suffix_global", ours, model, prompts, "suffix", b, max_new_tokens, None, gopts)))
     taken = set(avail)
     for i, extra in enumerate(extra_models, 1):
         for m in available_methods(extra):
@@ -212,7 +230,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             opts = {**(options or {}), **(tree_options or {})} if m == "eagle_tree" else options
             for b in batch_sizes:
                 jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
-                    _relabel, label, run_ours, extra, prompts, m, b, max_new_tokens, None, opts)))
+                    _relabel, label, ours, extra, prompts, m, b, max_new_tokens, None, opts)))
     with contextlib.ExitStack() as stack:
         if hf:
             jobs += _hf_jobs(stack, model, draft_model, prompts, batch_sizes, max_new_tokens, pad_id, options, work_dir)
@@ -234,7 +252,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
-                            "adaptive": adaptive, "compile": compile_mode,
+                            "adaptive": adaptive, "compile": compile_mode, "schedule": schedule,
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
@@ -520,8 +538,9 @@ def to_markdown(result: Dict[str, Any]) -> str:
             ch = ", ".join(f"{k} nodes: {v}" for k, v in sorted(r["draft_nodes_chosen"].items()))
             lines.append(f"- {r['method']} batch {r['batch_size']} chose (steps per draft size): {ch}")
     c = result["config"]
+    sched = "; our rows: continuous batching over <batch> slots" if c.get("schedule") == "continuous" else ""
     lines.append(f"- {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens each, greedy, {c['device']} "
-                 f"{c['dtype']}")
+                 f"{c['dtype']}{sched}")
     return "\n".join(lines) + "\n"
 
 
@@ -615,6 +634,10 @@ def build_parser():
                    help="instead of generating: time one cached target forward of each of these many new tokens "
                         "under the small-row kernel rules linear and auto (or --gemm's), side by side")
     p.add_argument("--forward-context", type=int, default=256, help="--forward-rows: cached tokens before the block")
+    p.add_argument("--schedule", default="fixed", choices=list(SCHEDULES),
+                   help="how our rows batch the prompts at each batch size: consecutive fixed batches (each runs "
+                        "until its slowest row finishes) or continuous batching over that many slots (a prompt "
+                        "joins when a row finishes, as in the server); transformers always runs fixed batches")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default="benchmark_out")
@@ -677,7 +700,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = benchmark(model, prompts, draft, args.batch_sizes, args.max_new_tokens, args.methods, options,
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
-                       compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm)
+                       compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm,
+                       schedule=args.schedule)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")
