@@ -301,9 +301,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # ----------------------------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def quiet_dcp_warnings() -> Iterator[None]:
-    """Silence torch DCP's FutureWarnings about the ShardedTensor API megatron still uses."""
-    with warnings.catch_warnings():
+def dcp_io() -> Iterator[None]:
+    """Around a ``dist_checkpointing`` load/save: torch DCP's FutureWarnings about the ShardedTensor API megatron
+    still uses are silenced, and torch runs at one CPU thread (:func:`serial_helper_threads`): the call
+    all-gathers tensor metadata, and a gloo worker copying it with a parallel op would start a second CPU thread
+    team, slowing every later forward of this process (nemo_spec._threads)."""
+    with warnings.catch_warnings(), serial_helper_threads():
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
         yield
@@ -529,9 +532,7 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
     if sharded_sd is None:
         sharded_sd = module.sharded_state_dict()
     check_sharded_shapes(sharded_sd, ckpt_dir, source)
-    # it all-gathers the tensor metadata: a gloo worker copying that with a parallel op would start a second
-    # CPU thread team, slowing every forward of this process afterwards (nemo_spec._threads)
-    with quiet_dcp_warnings(), serial_helper_threads():
+    with dcp_io():
         loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
     if key_map is not None:
         loaded = key_map(loaded)

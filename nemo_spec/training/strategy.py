@@ -35,9 +35,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from nemo_spec import parallel
 from nemo_spec._cpu import apply_cpu_workarounds
-from nemo_spec._threads import serial_helper_threads
 from nemo_spec.checkpoint.megatron import (DIST_METADATA, CheckpointError, _all_ok, _commit, _save_strategy,
-                                           check_sharded_shapes, quiet_dcp_warnings)
+                                           check_sharded_shapes, dcp_io)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +211,7 @@ class MegatronStrategy(SingleDeviceStrategy):
         if not _all_ok(err is None):
             raise TrainCheckpointError(f"could not create {tmp} ({err or 'failed on rank 0'})")
         try:
-            with quiet_dcp_warnings(), serial_helper_threads():
+            with dcp_io():
                 dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
             if rank0:
                 meta = {"format": CKPT_FORMAT, "tensor_parallel_size": parallel.tp_size(),
@@ -275,7 +274,7 @@ class MegatronStrategy(SingleDeviceStrategy):
             log.info("resharding training checkpoint %s from tensor_parallel_size=%d to %d", path,
                      meta["tensor_parallel_size"], parallel.tp_size())
         try:
-            with quiet_dcp_warnings(), serial_helper_threads():
+            with dcp_io():
                 loaded = dist_checkpointing.load(template, str(path))
         except _read_errors() as e:
             raise TrainCheckpointError(f"{path}: reading the sharded tensors failed, the checkpoint is incomplete "
