@@ -13,6 +13,7 @@ import torch
 from nemo_spec.base import build as B
 from nemo_spec.base.presets import load_preset
 from nemo_spec.config import ConfigError
+from tests.helpers import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +126,7 @@ def test_bad_config_fails_before_work(tmp_path):
 
 def test_cli_reuses_cache(tiny_build):
     cache, first, _ = tiny_build
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = script_env()
     p = subprocess.run([sys.executable, "scripts/build_base.py", "base=tiny", f"cache_dir={cache}"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]

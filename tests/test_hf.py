@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from nemo_spec.checkpoint import hf
 from nemo_spec.checkpoint.hf import HFCheckpointError, export_hf, hf_to_model_config, load_hf
 from nemo_spec.models import build_gpt, gpt_forward
-from tests.helpers import ROOT, run_torchrun, tiny_llama
+from tests.helpers import ROOT, run_torchrun, script_env, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 V = 96
@@ -403,9 +402,7 @@ def test_export_rejects_unrepresentable_config():
 def test_cli_export_hf_to_hf(tmp_path):
     """One real CLI run (subprocess): HF -> HF re-export in fp16."""
     ref_model = make_hf_model("gpt2", tmp_path / "hf")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = script_env()
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "export", str(tmp_path / "hf"),
                         str(tmp_path / "out"), "--dtype", "fp16"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=180)

@@ -127,20 +127,17 @@ def test_speculative_serving_batched_matches_greedy(model, tok, method, transfor
 @pytest.mark.slow
 def test_serve_script_loads_checkpoint_from_config(model, tok, tok_dir, tmp_path):
     """scripts/serve.py (Hydra overrides) loads a checkpoint at start-up and answers on 127.0.0.1."""
-    import os
     import signal
     import subprocess
     import sys
     import time
 
     from nemo_spec.checkpoint.hf import export_hf
-    from tests.helpers import ROOT, _free_port
+    from tests.helpers import ROOT, _free_port, script_env
 
     ckpt = export_hf(clone_model(model), tmp_path / "hf", tokenizer_dir=tok_dir)
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = script_env()
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "model.name=tiny",
            f"port={port}", "model.max_batch=4", "api_keys=[sk-test]", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import http.client
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from nemo_spec.inference import SamplingParams, generate, get_engine
-from tests.helpers import ROOT, _free_port
+from tests.helpers import ROOT, _free_port, script_env
 from tests.serve_utils import clone_model, live_server, tiny_model
 from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
@@ -351,9 +350,7 @@ def test_sigterm_ends_every_stream_well_formed(model, tok, tok_dir, tmp_path):
     long_model = tiny_model(tok, max_position_embeddings=16384)
     ckpt = export_hf(long_model, tmp_path / "hf", tokenizer_dir=tok_dir)
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = script_env()
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"model.path={ckpt}", "model.name=tiny",
            f"port={port}", "model.max_batch=4", "shutdown_drain_s=6", "batch_wait_ms=300",
            f"hydra.run.dir={tmp_path / 'run'}"]

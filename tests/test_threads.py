@@ -54,7 +54,7 @@ def test_checkpoint_save_and_load_start_no_second_thread_team(tmp_path):
     script = tmp_path / "team.py"
     script.write_text(_SCRIPT)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**script_env(), "PYTHONPATH": str(ROOT)})
+                         text=True, timeout=300, env=script_env())
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["same"]
