@@ -95,3 +95,11 @@ def script_env() -> dict:
               "NEMO_SPEC_DEBUG", "PYTHONWARNINGS"):
         env.pop(k, None)
     return env
+
+
+def timed_rows(module):
+    """Row counts for which the few-row CPU kernels of ``module``'s weights have been timed (fastpath groups)."""
+    from nemo_spec.models import fastpath
+
+    groups = {id(g): g for g in (fastpath._GROUP_OF.get(id(p)) for p in module.parameters()) if g is not None}
+    return {k[2] for g in groups.values() for k in g.choice}

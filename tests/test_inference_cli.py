@@ -9,7 +9,7 @@ from nemo_spec.inference import SamplingError, SamplingParams, generate
 from nemo_spec.inference import benchmark as bench
 from nemo_spec.inference import cli
 from nemo_spec.models import build_gpt
-from tests.helpers import tiny_llama
+from tests.helpers import timed_rows, tiny_llama
 
 torch.set_num_threads(1)
 TEXT = "the cat sat on the mat and the dog sat on the log while the bird sang in the tree " * 4
@@ -160,6 +160,36 @@ def test_benchmark_continuous_schedule(ckpt, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--model", "x", "--schedule", "rolling"])
     assert bench.build_parser().parse_args(["--model", "x", "--schedule", "continuous"]).schedule == "continuous"
+
+
+def test_benchmark_times_the_few_row_kernels_before_its_first_round(ckpt, monkeypatch):
+    """Under the timed kernel rule the benchmark times every row count 1..MAX_TUNED_ROWS of every model before the
+    first generation (warm-up included), as the server does at load, so no timed round pauses to tune a new row
+    count; under a fixed rule nothing is timed. The seconds spent are in the config."""
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.models import fastpath
+
+    path, draft, tok = ckpt
+    model, dmodel = load_model(path), load_model(draft)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["the cat sat on", "in the tree the bird"]]
+    seen = []
+    real = bench.generate
+
+    def spy(m, p, params, **kw):  # what had been timed when each generation started
+        seen.append((timed_rows(model), timed_rows(dmodel)))
+        return real(m, p, params, **kw)
+
+    monkeypatch.setattr(bench, "generate", spy)
+    kw = dict(methods=["ar", "draft_model"], batch_sizes=(1,), max_new_tokens=4, hf=False, repeats=1,
+              options={"num_draft_tokens": 2})
+    res = bench.benchmark(model, prompts, dmodel, **kw)  # the suite's fixed rule: nothing to time
+    assert seen and all(s == (set(), set()) for s in seen) and res["config"]["pretune_s"] >= 0
+    seen.clear()
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")
+    res = bench.benchmark(model, prompts, dmodel, **kw)
+    every = set(range(1, fastpath.MAX_TUNED_ROWS + 1))
+    assert seen and all(s == (every, every) for s in seen)
+    assert res["config"]["pretune_s"] > 0 and res["config"]["small_gemm"] == "auto"
 
 
 def test_benchmark_small_gemm_rules_side_by_side(ckpt, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_spec._threads import in_fresh_thread, serial_helper_threads
-from tests.helpers import ROOT, script_env
+from tests.helpers import ROOT, script_env, timed_rows
 
 # A fresh interpreter: a second OpenMP team, once started, lives as long as its thread (a gloo worker lives as
 # long as the process group), so the test process itself cannot be the subject. The main thread starts its own
@@ -122,13 +122,6 @@ def test_served_models_are_loaded_on_a_thread_that_ends(monkeypatch, model, tok)
 from tests.serve_utils import model, tok, tok_dir  # noqa: E402,F401  (module fixtures)
 
 
-def _timed_rows(module):
-    from nemo_spec.models import fastpath
-
-    groups = {id(g): g for g in (fastpath._GROUP_OF.get(id(p)) for p in module.parameters()) if g is not None}
-    return {k[2] for g in groups.values() for k in g.choice}
-
-
 def test_served_model_times_its_few_row_kernels_at_load(monkeypatch, tok):
     """CPU kernels for the row counts a step can use are timed while loading (not at a request's first step);
     pretune_rows bounds that, 0 leaves it to first use, and a negative value is a config error."""
@@ -146,7 +139,7 @@ def test_served_model_times_its_few_row_kernels_at_load(monkeypatch, tok):
         m = tiny_model(tok)
         served = models.build_served_model(spec, model=m, tokenizer=tok)
         try:
-            assert _timed_rows(m) == want, spec.name
+            assert timed_rows(m) == want, spec.name
         finally:
             served.close()
     with pytest.raises(ConfigError, match="pretune_rows"):

@@ -231,6 +231,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             for b in batch_sizes:
                 jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
                     _relabel, label, ours, extra, prompts, m, b, max_new_tokens, None, opts)))
+    pretune_s = pretune_models([model, draft_model, *extra_models], gemm_modes)
     with contextlib.ExitStack() as stack:
         if hf:
             jobs += _hf_jobs(stack, model, draft_model, prompts, batch_sizes, max_new_tokens, pad_id, options, work_dir)
@@ -254,6 +255,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
                             "adaptive": adaptive, "compile": compile_mode, "schedule": schedule,
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
+                            "pretune_s": pretune_s,
                             "device": str(next(unwrap(model).parameters()).device),
                             "dtype": str(next(unwrap(model).parameters()).dtype)})
 
@@ -346,6 +348,24 @@ def _with_gemm(mode: str, method: str, fn: Callable[..., Dict[str, Any]], *args:
 
 #: Outputs the global suffix store holds in the benchmark's suffix_global row (unless suffix options say).
 BENCH_GLOBAL_CACHE = 256
+
+
+def pretune_models(models: Sequence[Optional[torch.nn.Module]], gemm_modes: Sequence[str] = ()) -> float:
+    """Time the few-row CPU kernels of every model for every row count a step can use (``fastpath.pretune``)
+    before any timed round, as the server does at load: otherwise a configuration's first round — and an
+    adaptive controller's first observations — would include the pauses of timing each new row count. Covers
+    the rule in force and ``auto`` in ``gemm_modes``; a no-op under the fixed rules. Returns the seconds spent."""
+    t0 = time.perf_counter()
+    rules = [None] + (["auto"] if "auto" in gemm_modes and fastpath.SMALL_GEMM != "auto" else [])
+    for rule in rules:
+        with (fastpath.small_gemm_rule(rule) if rule else contextlib.nullcontext()):
+            for m in models:
+                if m is not None:
+                    fastpath.pretune(m)
+    dt = time.perf_counter() - t0
+    if dt > 0.5:
+        log.info("benchmark: few-row CPU kernels timed for 1-%d rows in %.1fs", fastpath.MAX_TUNED_ROWS, dt)
+    return dt
 
 
 def warm_suffix_store(model: torch.nn.Module, warm_prompts: List[List[int]], max_new_tokens: int,
