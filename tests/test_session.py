@@ -135,6 +135,41 @@ def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method)
     assert sum(outs[0].stats["speculation_levels"].values()) == outs[0].stats["target_forwards"] - 1
 
 
+def test_adaptive_acceptance_is_per_tree_level_and_shared_along_a_chain():
+    """Trees: measuring a small tree's low acceptance leaves a larger tree's own (higher) measured acceptance
+    alone, so the controller keeps choosing the large tree where it pays (shared per-depth counts made the large
+    tree look as poor as the small ones, and it got stuck on them). Chains: a long chain's step also measures
+    every shorter chain (its prefix), so they agree at each depth."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    def step(ctl, level, accepted, b, chain):
+        n = ctl.levels[level]
+        tree = NS(tokens=torch.zeros(b, n), sizes=None, max_children=1 if chain else 2)
+        res = NS(paths=[[0] * (a + 1) for a in accepted])
+        ctl.observe(b, level, tree, res, draft_s=1e-3 * (1 + level), verify_s=1e-3 * (4 + 0.3 * b * (1 + n)))
+
+    tree_p = NS(levels=[0, 2, 3, 5, 7, 8, 10], level_depth=lambda i: i, draft_forwards=lambda i: 1 + max(0, i - 1))
+    ctl = AdaptiveSpeculation(tree_p)
+    for _ in range(3):
+        step(ctl, 6, [5] * 4, 4, chain=False)  # the 10-node, depth-6 tree accepts 5 of 6 depths
+    for _ in range(40):
+        step(ctl, 2, [0] * 4, 4, chain=False)  # the 3-node, depth-2 tree accepts nothing
+    assert ctl.expected_tokens(2) < 1.1 and ctl.expected_tokens(6) > 4.5
+    assert ctl.predicted_rate(4, 6) > ctl.predicted_rate(4, 2)
+    info = ctl.describe()
+    assert info["expected_tokens"][10] == pytest.approx(ctl.expected_tokens(6), abs=1e-3)
+
+    chain_p = NS(levels=[0, 1, 2, 3, 4], level_depth=lambda i: i, draft_forwards=lambda i: 1 + max(0, i - 1))
+    ctl = AdaptiveSpeculation(chain_p)
+    for _ in range(20):
+        step(ctl, 4, [4, 1, 0, 3], 4, chain=True)
+    for d in range(1, 3):  # chains of 2 and 4 tokens: the same acceptance at depths 1-2
+        assert ctl.succ[2][d] / ctl.trials[2][d] == pytest.approx(ctl.succ[4][d] / ctl.trials[4][d])
+    assert ctl.expected_tokens(2) < ctl.expected_tokens(4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
                                                 ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])

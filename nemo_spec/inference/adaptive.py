@@ -3,7 +3,7 @@
 The proposer offers levels (draft nodes per row, from 0 = plain decoding up to its configured size). For a
 step of ``b`` rows at level ``i`` the controller predicts
 
-    tokens(i)  = b * E[accepted + 1 | depth(i)]          from the running per-depth acceptance of this proposer
+    tokens(i)  = b * E[accepted + 1 | level i]           from the running per-depth acceptance at that level
     seconds(i) = T_verify(b * (1 + nodes(i))) + draft_forwards(i) * T_draft(b)
 
 with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
@@ -11,7 +11,11 @@ timings of its verify forwards and drafting, exponentially forgetting old sample
 the highest tokens / seconds. At large batches the target forward stops being nearly free per token and the
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
-acceptance keeps being measured. Under tensor parallelism the first rank's choice is broadcast (timings differ
+acceptance keeps being measured. Acceptance is kept per level: a chain's conditional acceptance at depth d is
+the same for every chain at least d long (a shorter chain is a prefix of a longer one), so a chain step updates
+every level; a tree of another node budget holds other candidates at each depth (a 3-node tree accepts less at
+depth 1 than a 10-node one), so a tree step updates its own level only — measuring small trees must not make a
+larger one look as poor as they are. Under tensor parallelism the first rank's choice is broadcast (timings differ
 per rank; every rank must run the same step).
 """
 from __future__ import annotations
@@ -77,8 +81,9 @@ class AdaptiveSpeculation:
         self.depths = [proposer.level_depth(i) for i in range(len(self.levels))]
         self.forwards = [proposer.draft_forwards(i) for i in range(len(self.levels))]
         D = max(self.depths) if self.depths else 0
-        self.trials = [prior_weight] * (D + 2)
-        self.succ = [prior * prior_weight] * (D + 2)
+        # per level, per depth (index 1..D): decayed trials and successes of the conditional acceptance
+        self.trials = [[prior_weight] * (D + 2) for _ in self.levels]
+        self.succ = [[prior * prior_weight] * (D + 2) for _ in self.levels]
         self.decay = decay
         self.verify = LinearFit()
         self.draft = LinearFit()
@@ -91,7 +96,7 @@ class AdaptiveSpeculation:
         """Expected tokens per row per step at level i (accepted drafts + the target's own token)."""
         e = p = 1.0
         for d in range(1, self.depths[i] + 1):
-            p *= self.succ[d] / self.trials[d]
+            p *= self.succ[i][d] / self.trials[i][d]
             e += p
         return e
 
@@ -126,22 +131,27 @@ class AdaptiveSpeculation:
         if self.levels[level] == 0:
             return
         chain = tree.max_children is not None and tree.max_children <= 1
-        self.trials = [t * self.decay for t in self.trials]
-        self.succ = [s * self.decay for s in self.succ]
+        self.trials = [[t * self.decay for t in ts] for ts in self.trials]
+        self.succ = [[s * self.decay for s in ss] for ss in self.succ]
+        # a chain's acceptance at depth d holds for every chain level reaching d; a tree's for its own level only
+        updated = [j for j in range(1, len(self.levels)) if chain or j == level]
         for r, path in enumerate(res.paths):
             size = tree.sizes[r] if tree.sizes is not None else n
             if size == 0:
                 continue
             depth = min(size, self.depths[level]) if chain else self.depths[level]
             m = len(path) - 1
-            for d in range(1, min(m + 1, depth) + 1):
-                self.trials[d] += 1
-                self.succ[d] += 1 if d <= m else 0
+            for j in updated:
+                for d in range(1, min(m + 1, depth, self.depths[j]) + 1):
+                    self.trials[j][d] += 1
+                    self.succ[j][d] += 1 if d <= m else 0
 
     def describe(self) -> Dict[str, Any]:
         """What it chose and believes: steps per level, acceptance per depth, the fitted costs."""
         a, c = self.verify.coefficients()
         ad, cd = self.draft.coefficients()
+        top = len(self.levels) - 1
         return {"chosen": {self.levels[i]: k for i, k in sorted(self.chosen.items())},
-                "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[1:], self.trials[1:])],
+                "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[top][1:], self.trials[top][1:])],
+                "expected_tokens": {self.levels[i]: round(self.expected_tokens(i), 3) for i in range(top + 1)},
                 "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd}}
