@@ -356,14 +356,12 @@ def pretune_models(models: Sequence[Optional[torch.nn.Module]], gemm_modes: Sequ
     adaptive controller's first observations — would include the pauses of timing each new row count. Covers
     the rule in force and ``auto`` in ``gemm_modes``; a no-op under the fixed rules. Returns the seconds spent."""
     t0 = time.perf_counter()
-    rules = [None] + (["auto"] if "auto" in gemm_modes and fastpath.SMALL_GEMM != "auto" else [])
-    for rule in rules:
-        with (fastpath.small_gemm_rule(rule) if rule else contextlib.nullcontext()):
-            for m in models:
-                if m is not None:
-                    fastpath.pretune(m)
+    n = 0
+    if fastpath.SMALL_GEMM == "auto" or "auto" in gemm_modes:  # the fixed rules time nothing
+        with fastpath.small_gemm_rule("auto"):
+            n = sum(fastpath.pretune(m) for m in models if m is not None)
     dt = time.perf_counter() - t0
-    if dt > 0.5:
+    if n:
         log.info("benchmark: few-row CPU kernels timed for 1-%d rows in %.1fs", fastpath.MAX_TUNED_ROWS, dt)
     return dt
 
