@@ -479,3 +479,24 @@ def test_benchmark_runs_drafts_of_other_models_side_by_side(llama):
     assert all(r["matches_ar"] == 1.0 for r in res["rows"]), [(r["method"], r["matches_ar"]) for r in res["rows"]]
     assert all(r["draft_forwards"] > 0 and r["draft_ms_per_step"] > 0 for k, r in got.items() if k[0] != "ar")
     assert "| nemo_spec | dflash | 1 |" in bench.to_markdown(res)
+
+
+def test_benchmark_adaptive_rows_with_the_stepwise_draft_catch_up_side_by_side(llama):
+    """benchmark(adaptive=True, eager_catchup=True): each EAGLE method runs plain, adaptive (deferred catch-up) and
+    adaptive with the draft caught up after every step (lazy_draft_steps=0); all give our AR tokens and report the
+    draft sizes they chose; without eager_catchup there are no stepwise rows."""
+    from nemo_spec.inference import benchmark as bench
+
+    m, _ = llama
+    spec = _spec(m, "eagle3")
+    kw = dict(methods=["eagle"], batch_sizes=(2,), max_new_tokens=6, hf=False, repeats=1, options=OPTS, adaptive=True)
+    res = bench.benchmark(spec, PROMPTS, eager_catchup=True, **kw)
+    got = {r["method"]: r for r in res["rows"]}
+    assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+adaptive+stepwise"}
+    assert got["eagle+adaptive+stepwise"]["options"]["lazy_draft_steps"] == 0
+    assert "lazy_draft_steps" not in got["eagle+adaptive"]["options"] and res["config"]["eager_catchup"]
+    assert all(r["matches_ar"] == 1.0 for r in res["rows"])
+    assert "- eagle+adaptive+stepwise batch 2 chose (steps per draft size): " in bench.to_markdown(res)
+    plain = bench.benchmark(spec, PROMPTS, **kw)
+    assert {r["method"] for r in plain["rows"]} == {"ar", "eagle", "eagle+adaptive"}
+    assert bench.build_parser().parse_args(["--model", "x", "--adaptive", "--eager-catchup"]).eager_catchup

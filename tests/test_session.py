@@ -170,6 +170,28 @@ def test_adaptive_acceptance_is_per_tree_level_and_shared_along_a_chain():
     assert ctl.expected_tokens(2) < ctl.expected_tokens(4)
 
 
+
+def test_adaptive_charges_deferred_draft_work_to_plain_steps():
+    """Draft work a level-0 step put off (EAGLE's deferred catch-up) counts against level 0 in the cost model:
+    its predicted time is the verify fit plus the mean deferred seconds per level-0 step."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    prop = NS(levels=[0, 1, 2, 3], level_depth=lambda i: i, draft_forwards=lambda i: i)  # lazy: none at level 0
+    ctl = AdaptiveSpeculation(prop)
+    for level, n in ((3, 3), (0, 0)) * 4:
+        tree = NS(tokens=torch.zeros(4, n), sizes=None, max_children=1)
+        ctl.observe(4, level, tree, NS(paths=[[0]] * 4), draft_s=1e-3 * level, verify_s=1e-3 * (2 + 0.5 * 4 * (1 + n)))
+    plain = ctl.predicted_rate(4, 0)
+    assert plain == pytest.approx(4 / ctl.verify.predict(4))
+    ctl.observe_deferred(6e-3, 3)
+    ctl.observe_deferred(0.0, 0)  # steps that ran no deferred work change nothing
+    assert ctl.deferred_per_step() == pytest.approx(2e-3)
+    assert ctl.predicted_rate(4, 0) == pytest.approx(4 / (ctl.verify.predict(4) + 2e-3))
+    assert ctl.predicted_rate(4, 0) < plain
+    assert ctl.describe()["deferred_draft_s_per_plain_step"] == pytest.approx(2e-3)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
                                                 ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])
@@ -258,3 +280,71 @@ def test_the_plain_decode_step_equals_the_empty_tree_verification(model, method,
     assert n_plain > 0 and len(plain_steps) == n_plain  # plain steps were taken, by the first run only
     if method == "prompt_lookup":
         assert any(sum(h[1:]) for _, h, _ in plain)  # and speculative steps accepted drafts
+
+
+class _ScriptedLevels:
+    """Stands in for the adaptive controller: the levels of a fixed schedule, step by step."""
+
+    def __init__(self, seq):
+        self.seq, self.i, self.deferred = seq, 0, []
+
+    def choose(self, b):
+        self.i += 1
+        return self.seq[(self.i - 1) % len(self.seq)]
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def observe_deferred(self, seconds, steps):
+        if steps:
+            self.deferred.append(steps)
+
+    def describe(self):
+        return {}
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle_tree"])
+def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method):
+    """A level-0 step drafts nothing, so EAGLE keeps its (feature, token) pairs and reads them in one draft forward
+    when a later step drafts, or once lazy_draft_steps of them piled up. Against catching up after every step
+    (lazy_draft_steps=0), under the same level schedule with rows joining and leaving: every proposed tree is the
+    same, greedy rows == AR and sampled rows the same tokens; fewer draft forwards; level 0 costs no draft forward
+    in the cost model."""
+    from tests.speculative_utils import make_spec
+
+    spec = make_spec(tiny_llama(), "eagle3").eval()
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]]
+    sp = [SamplingParams(max_new_tokens=20 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(5)]
+    opts = {"ignore_eos": True, "num_draft_tokens": 3, "depth": 3, "top_k": 2, "total_tokens": 5}
+    schedule = [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]  # runs of 0s longer than the cap too
+
+    def run(lazy):
+        sess = Session(spec, method, options={**opts, "lazy_draft_steps": lazy}, max_batch=3, adaptive=True)
+        sess.adaptive = _ScriptedLevels(schedule)
+        trees, propose = [], sess.proposer.propose
+
+        def record(s, st, level=None):
+            t = propose(s, st, level)
+            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone()))
+            return t
+
+        sess.proposer.propose = record
+        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
+        sess.run()
+        res = [sess.result(h) for h in hs]
+        return res, trees, sess.adaptive.deferred, sess.proposer
+
+    eager, eager_trees, eager_def, eager_p = run(0)
+    lazy, lazy_trees, lazy_def, lazy_p = run(3)
+    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
+                  options={"ignore_eos": True})
+    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
+    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
+                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
+    assert len(lazy_trees) == len(eager_trees)
+    for (la, lt, lp), (ea, et, ep) in zip(lazy_trees, eager_trees):
+        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None)
+        assert lp is None or torch.equal(lp, ep)
+    assert not eager_def and lazy_def and max(lazy_def) <= 3  # caught up after at most 3 level-0 steps
+    assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
+    assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(3) == 3

@@ -4,11 +4,13 @@ The proposer offers levels (draft nodes per row, from 0 = plain decoding up to i
 step of ``b`` rows at level ``i`` the controller predicts
 
     tokens(i)  = b * E[accepted + 1 | level i]           from the running per-depth acceptance at that level
-    seconds(i) = T_verify(b * (1 + nodes(i))) + draft_forwards(i) * T_draft(b)
+    seconds(i) = T_verify(b * (1 + nodes(i))) + draft_forwards(i) * T_draft(b)   (+ T_deferred at level 0)
 
 with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
 timings of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with
-the highest tokens / seconds. At large batches the target forward stops being nearly free per token and the
+the highest tokens / seconds. ``T_deferred`` is the running mean, per level-0 step, of the draft work such a step
+put off to a later one (EAGLE reads a run of level-0 steps' tokens into its draft in one forward when it next
+drafts: a level-0 step then costs what an AR step costs, plus that share). At large batches the target forward stops being nearly free per token and the
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
 acceptance keeps being measured. Acceptance is kept per level: a chain's conditional acceptance at depth d is
@@ -87,6 +89,7 @@ class AdaptiveSpeculation:
         self.decay = decay
         self.verify = LinearFit()
         self.draft = LinearFit()
+        self.deferred_s = self.deferred_steps = 0.0  # decayed sums: deferred draft seconds, level-0 steps covered
         self.explore_every = explore_every
         self.steps = 0
         self.since_top = 0
@@ -103,7 +106,19 @@ class AdaptiveSpeculation:
     def predicted_rate(self, b: int, i: int) -> float:
         """Predicted tokens per second of a b-row step at level i."""
         t = self.verify.predict(b * (1 + self.levels[i])) + self.forwards[i] * self.draft.predict(b)
+        if self.levels[i] == 0:
+            t += self.deferred_per_step()
         return b * self.expected_tokens(i) / t if t > 0 else float("inf")
+
+    def deferred_per_step(self) -> float:
+        """Mean seconds of deferred draft work per level-0 step (0 until some was run)."""
+        return self.deferred_s / self.deferred_steps if self.deferred_steps > 0 else 0.0
+
+    def observe_deferred(self, seconds: float, steps: int) -> None:
+        """Draft work that ``steps`` level-0 steps put off ran in ``seconds``."""
+        if steps > 0:
+            self.deferred_s = self.deferred_s * 0.9 + seconds
+            self.deferred_steps = self.deferred_steps * 0.9 + steps
 
     def choose(self, b: int) -> int:
         """The level for the next step of ``b`` rows."""
@@ -154,4 +169,5 @@ class AdaptiveSpeculation:
         return {"chosen": {self.levels[i]: k for i, k in sorted(self.chosen.items())},
                 "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[top][1:], self.trials[top][1:])],
                 "expected_tokens": {self.levels[i]: round(self.expected_tokens(i), 3) for i in range(top + 1)},
-                "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd}}
+                "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd},
+                "deferred_draft_s_per_plain_step": self.deferred_per_step()}

@@ -160,7 +160,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
               compile_mode: Optional[str] = None,
               extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = (),
-              schedule: str = "fixed") -> Dict[str, Any]:
+              schedule: str = "fixed", eager_catchup: bool = False) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -168,6 +168,9 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
+    with ``eager_catchup`` too, the EAGLE methods also run adaptive with their draft caught up after every step
+    (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay a draft forward, as before the
+    deferred catch-up);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
     ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method of the
     main model once more with that small-row CPU kernel rule (``<method>+gemm=<mode>`` rows, their speed-up taken
@@ -207,6 +210,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True})))
+            if adaptive and eager_catchup and m in ("eagle", "eagle_tree"):
+                jobs.append((f"nemo_spec {m}+adaptive+stepwise batch {b}", functools.partial(
+                    _relabel, f"{m}+adaptive+stepwise", ours, model, prompts, m, b, max_new_tokens, draft_model,
+                    {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
             if compile_mode:
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
                     _relabel, f"{m}+compiled", ours, model, prompts, m, b, max_new_tokens, draft_model,
@@ -253,7 +260,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "batch_sizes": list(batch_sizes), "methods": methods, "repeats": repeats,
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
-                            "adaptive": adaptive, "compile": compile_mode, "schedule": schedule,
+                            "adaptive": adaptive, "eager_catchup": eager_catchup, "compile": compile_mode,
+                            "schedule": schedule,
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "pretune_s": pretune_s,
                             "device": str(next(unwrap(model).parameters()).device),
@@ -552,7 +560,7 @@ def to_markdown(result: Dict[str, Any]) -> str:
                          f"prompt indexing {r['prompt_index_ms']:.2f} ms per prompt, "
                          f"{r['step_ms']:.2f} ms per target forward")
     for r in result["rows"]:
-        if r["method"].endswith("+adaptive") and r.get("draft_nodes_chosen"):
+        if "+adaptive" in r["method"] and r.get("draft_nodes_chosen"):
             ch = ", ".join(f"{k} nodes: {v}" for k, v in sorted(r["draft_nodes_chosen"].items()))
             lines.append(f"- {r['method']} batch {r['batch_size']} chose (steps per draft size): {ch}")
     c = result["config"]
@@ -641,6 +649,9 @@ def build_parser():
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (best is reported)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run every speculative method with adaptive speculation (<method>+adaptive rows)")
+    p.add_argument("--eager-catchup", action="store_true",
+                   help="with --adaptive: EAGLE methods also run with the draft caught up after every step "
+                        "(<method>+adaptive+stepwise rows, lazy_draft_steps=0) next to the deferred catch-up")
     p.add_argument("--compile", nargs="?", const="default", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="also run every method with its decode step compiled (<method>+compiled rows; "
@@ -719,7 +730,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
                        compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm,
-                       schedule=args.schedule)
+                       schedule=args.schedule, eager_catchup=args.eager_catchup)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

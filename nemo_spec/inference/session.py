@@ -455,11 +455,14 @@ class Session:
         t3 = time.perf_counter()
         lv = len(self.proposer.levels) - 1 if level is None else level
         self.level_hist[lv] = self.level_hist.get(lv, 0) + 1
-        self.decode_s["draft"] += (t1 - t0) + (t3 - t2)
+        draft_s = (t1 - t0) + (t3 - t2)
+        self.decode_s["draft"] += draft_s
         self.decode_s["verify"] += t2 - t1
         self.decode_s["steps"] += 1
+        lazy_s, lazy_steps = self.proposer.take_deferred_cost()  # earlier level-0 steps' draft work run now
         if self.adaptive is not None:
-            self.adaptive.observe(n, lv, tree, res, draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
+            self.adaptive.observe(n, lv, tree, res, draft_s=draft_s - lazy_s, verify_s=t2 - t1)
+            self.adaptive.observe_deferred(lazy_s, lazy_steps)
         for r, row in enumerate(rows):
             row.length += len(res.paths[r])
             row.levels[lv] = row.levels.get(lv, 0) + 1

@@ -9,7 +9,7 @@ its per-slot state (draft KV caches, roots, counters) as explicit attributes all
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -19,7 +19,7 @@ from nemo_spec.inference.sampling import SamplingError, SamplingParams
 
 #: the hooks of :class:`Proposer`, in the order a row meets them (tests check every proposer has them)
 HOOKS = ("setup", "check_row", "admit", "prefill", "propose", "accepted", "release", "swap", "level_depth",
-         "draft_forwards")
+         "draft_forwards", "take_deferred_cost")
 
 
 @runtime_checkable
@@ -42,6 +42,10 @@ class Proposer(Protocol):
 
     def draft_forwards(self, level: int) -> int:
         """Draft-model forwards one step costs at ``level`` (the adaptive controller's cost model)."""
+
+    def take_deferred_cost(self) -> Tuple[float, int]:
+        """(seconds, level-0 steps) of draft work a level-0 step put off and a later step ran, since the last call
+        (the adaptive controller charges it to level 0)."""
 
     def setup(self, sess: Any) -> None:
         """(Re)allocate per-slot state for ``sess.slots`` rows of ``sess.slot_len`` positions; drops all rows."""
@@ -87,6 +91,10 @@ class BaseProposer:
     def draft_forwards(self, level: int) -> int:
         """No draft forwards."""
         return 0
+
+    def take_deferred_cost(self) -> Tuple[float, int]:
+        """Nothing is deferred."""
+        return 0.0, 0
 
     def setup(self, sess: Any) -> None:
         """No per-slot state."""

@@ -36,7 +36,7 @@ DEFAULT_SCORE_TEMPERATURE = 0.2
 KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
                  "tree_choices", "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
                  "global_update", "pad_id", "max_cache_len", "ignore_eos", "adaptive", "prefill_chunk_tokens",
-                 "prefill_pad_tokens", "max_batch", "compile")
+                 "prefill_pad_tokens", "max_batch", "compile", "lazy_draft_steps")
 
 
 def check_options(options: Dict[str, Any]) -> None:

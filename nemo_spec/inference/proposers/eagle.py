@@ -1,7 +1,14 @@
-"""EAGLE-1 / EAGLE-3 drafting: a chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
+"""EAGLE-1 / EAGLE-3 drafting: a chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k).
+
+After each verification the draft reads the accepted tokens (paired with the target's features) into its KV cache
+and computes the next step's root. A step at level 0 (adaptive speculation chose plain decoding) drafts nothing, so
+that catch-up is deferred: the pairs are kept per slot and read in one draft forward when a later step drafts (or
+``lazy_draft_steps`` level-0 steps have piled up), which is what makes a level-0 step cost what an AR step costs.
+"""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -14,6 +21,9 @@ from nemo_spec.inference.proposers.common import (DEFAULT_SCORE_TEMPERATURE, cha
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import block_context, pad_chains, select_tree
+
+#: level-0 steps whose draft catch-up may wait for one joint forward (0: catch up after every step)
+DEFAULT_LAZY_DRAFT_STEPS = 32
 
 
 class EagleProposer(SpecModelProposer):
@@ -46,6 +56,11 @@ class EagleProposer(SpecModelProposer):
         self.max_pos = model_config(self.spec).max_position_embeddings
         self.root_hidden: Optional[torch.Tensor] = None
         self.root_logits: Optional[torch.Tensor] = None
+        self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
+        self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, h]: features of deferred pairs
+        self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
+        self._deferring = False  # this step drafts nothing (level 0): accepted() defers the catch-up
+        self._deferred_cost: Tuple[float, int] = (0.0, 0)  # catch-up seconds and level-0 steps it covered
 
     def _tree_shape(self, level: int) -> "tuple[int, int]":
         """(depth, total nodes) of the tree at ``level`` (level = depth; the node budget shrinks with it)."""
@@ -65,9 +80,17 @@ class EagleProposer(SpecModelProposer):
         return self.levels[level] if not self.tree else level
 
     def draft_forwards(self, level: int) -> int:
-        """A catch-up forward plus one per drafted level beyond the first."""
+        """A catch-up forward plus one per drafted level beyond the first; none at level 0 when the catch-up is
+        deferred (its cost is reported by :meth:`take_deferred_cost`)."""
         i = level_index(self.levels, level)
+        if i == 0 and self.lazy_steps > 0:
+            return 0
         return 1 + max(0, i - 1)
+
+    def take_deferred_cost(self) -> Tuple[float, int]:
+        """(seconds, level-0 steps) of the deferred catch-ups run since the last call."""
+        out, self._deferred_cost = self._deferred_cost, (0.0, 0)
+        return out
 
     def setup(self, sess: Any) -> None:
         """The draft's KV cache, one row per slot (plus room for the drafted tree levels)."""
@@ -75,11 +98,20 @@ class EagleProposer(SpecModelProposer):
                                        lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.root_hidden = self.root_logits = None
         self.slots = sess.slots
+        self.deferred_f = None
+        self.deferred_tok = [[] for _ in range(sess.slots)]
+        self._deferring = False
+        self._deferred_cost = (0.0, 0)
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's draft cache row."""
         self.cache.lengths[slot] = 0
         self.cache.starts[slot] = 0
+        self.deferred_tok[slot] = []
+
+    def release(self, sess: Any, slot: int, row: Any) -> None:
+        """Forget the slot's deferred pairs."""
+        self.deferred_tok[slot] = []
 
     def _store_root(self, lo: int, hi: int, mask: Optional[torch.Tensor], hid: torch.Tensor,
                     logits: torch.Tensor) -> None:
@@ -107,9 +139,13 @@ class EagleProposer(SpecModelProposer):
         ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
-        """Catch the draft up: the accepted path's base features paired with the emitted tokens."""
+        """Catch the draft up: the accepted path's base features paired with the emitted tokens (after a level-0
+        step: kept for a later joint catch-up)."""
         f = self.path_features(res)
         b, K, dev = st.b, f.shape[1], f.device
+        if self._deferring:  # every row emitted one token (nothing was drafted)
+            self._defer(st, f[:, 0], [e[0] for e in res.emitted])
+            return
         tok, val = pad_chains(res.emitted, n=K, device=dev)
         counts = res.accepted + 1
         view = self.cache.view(0, b)
@@ -120,11 +156,53 @@ class EagleProposer(SpecModelProposer):
         self._store_root(0, b, None, h, self.spec.draft_logits(h))
         st.count_draft(1)
 
+    def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
+        """Keep each row's (feature [b, h], token) pair of a level-0 step; catch up once the buffer is full."""
+        b = st.b
+        if self.deferred_f is None:
+            self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
+        n = [len(self.deferred_tok[r]) for r in range(b)]
+        if max(n) >= self.lazy_steps:  # full: read the pairs deferred so far now
+            self._catch_up(st)
+            n = [0] * b
+        rows = torch.arange(b, device=f.device)
+        self.deferred_f[rows, tensor(n, f.device)] = f
+        for r in range(b):
+            self.deferred_tok[r].append(toks[r])
+
+    def _catch_up(self, st: StepState) -> None:
+        """One draft forward over every decode row's deferred pairs; rows that had any get their new root.
+
+        The pairs end where the step's target cache starts (``st.lengths``): the draft cache is that many behind."""
+        t0 = time.perf_counter()
+        b = st.b
+        lists = self.deferred_tok[:b]
+        counts = [len(x) for x in lists]
+        K = max(counts)
+        dev = self.deferred_f.device
+        tok, val = pad_chains(lists, n=K, device=dev)
+        view = self.cache.view(0, b)
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(ln - c for ln, c in zip(st.lengths, counts)),
+                          padded=True)
+        hid, _ = self.spec.draft_step(tok, self.deferred_f[:b, :K], ctx, head=False)
+        counts_dev = tensor(counts, dev)
+        view.lengths += counts_dev
+        h = last_valid(hid, counts_dev)
+        had = tensor([c > 0 for c in counts], dev, torch.bool)
+        self._store_root(0, b, had, h, self.spec.draft_logits(h))
+        st.count_draft(1)
+        for r in range(b):
+            self.deferred_tok[r] = []
+        s, k = self._deferred_cost
+        self._deferred_cost = (s + time.perf_counter() - t0, k + K)
+
     def swap(self, i: int, j: int, used: int) -> None:
-        """Exchange the two slots' draft cache rows and roots."""
+        """Exchange the two slots' draft cache rows, roots and deferred pairs."""
         self.cache.swap_rows(i, j, used + self.extra_slots)
         swap_rows(self.root_hidden, i, j)
         swap_rows(self.root_logits, i, j)
+        swap_rows(self.deferred_f, i, j)
+        self.deferred_tok[i], self.deferred_tok[j] = self.deferred_tok[j], self.deferred_tok[i]
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
@@ -134,8 +212,11 @@ class EagleProposer(SpecModelProposer):
     def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
         """Draft a chain or an EAGLE-2 tree from the root (draft hidden/logits after the accepted tokens)."""
         i = level_index(self.levels, level)
+        self._deferring = i == 0 and self.lazy_steps > 0
         if i == 0:
             return DraftTree.empty(st.b, sess.device)
+        if any(self.deferred_tok[:st.b]):
+            self._catch_up(st)
         view = self.cache.view(0, st.b)
         if self.tree:
             d, total = self._tree_shape(i)
