@@ -192,6 +192,38 @@ def test_adaptive_charges_deferred_draft_work_to_plain_steps():
     assert ctl.predicted_rate(4, 0) < plain
     assert ctl.describe()["deferred_draft_s_per_plain_step"] == pytest.approx(2e-3)
 
+
+def test_adaptive_trials_of_a_draft_that_does_not_pay_grow_rarer():
+    """A draft that is never accepted: after each trial of the largest level the controller goes back to plain
+    decoding and waits twice as long for the next trial (32, 64, ... up to 256 steps); once the draft pays again,
+    a trial or two raise its measured acceptance until the largest level wins, and the interval is back to 32."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    prop = NS(levels=[0, 1, 2, 3], level_depth=lambda i: i, draft_forwards=lambda i: i)
+    ctl = AdaptiveSpeculation(prop)
+    b = 4
+
+    def run(steps, accepted):
+        trials = []
+        for k in range(steps):
+            level = ctl.choose(b)
+            n = ctl.levels[level]
+            tree = NS(tokens=torch.zeros(b, n), sizes=None, max_children=1)
+            ctl.observe(b, level, tree, NS(paths=[[0] * (min(accepted, n) + 1)] * b),
+                        draft_s=1e-3 * level, verify_s=1e-3 * (2 + 0.5 * b * (1 + n)))
+            if level == 3:
+                trials.append(k)
+        return trials
+
+    trials = run(2000, accepted=0)
+    gaps = [y - x for x, y in zip(trials, trials[1:])]
+    assert gaps[:4] == [33, 65, 129, 257] and set(gaps[4:]) == {257}
+    assert ctl.explore_every == 256
+    after = run(1000, accepted=3)  # the draft now accepts everything
+    assert ctl.explore_every == 32 and len(after) > 500 and after[-1] == 999
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
                                                 ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])

@@ -13,7 +13,9 @@ put off to a later one (EAGLE reads a run of level-0 steps' tokens into its draf
 drafts: a level-0 step then costs what an AR step costs, plus that share). At large batches the target forward stops being nearly free per token and the
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
-acceptance keeps being measured. Acceptance is kept per level: a chain's conditional acceptance at depth d is
+acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step after
+such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay (say,
+one that has not been trained for these prompts) costs few trial steps. Acceptance is kept per level: a chain's conditional acceptance at depth d is
 the same for every chain at least d long (a shorter chain is a prefix of a longer one), so a chain step updates
 every level; a tree of another node budget holds other candidates at each depth (a 3-node tree accepts less at
 depth 1 than a 10-node one), so a tree step updates its own level only — measuring small trees must not make a
@@ -77,7 +79,7 @@ class AdaptiveSpeculation:
     """Chooses each step's speculation level from a cost model and the proposer's running acceptance."""
 
     def __init__(self, proposer: Any, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.995,
-                 explore_every: int = 32) -> None:
+                 explore_every: int = 32, max_explore_every: int = 256) -> None:
         self.proposer = proposer
         self.levels: List[int] = list(proposer.levels)
         self.depths = [proposer.level_depth(i) for i in range(len(self.levels))]
@@ -90,7 +92,10 @@ class AdaptiveSpeculation:
         self.verify = LinearFit()
         self.draft = LinearFit()
         self.deferred_s = self.deferred_steps = 0.0  # decayed sums: deferred draft seconds, level-0 steps covered
-        self.explore_every = explore_every
+        self.explore_every = self.explore_base = explore_every
+        self.max_explore_every = max_explore_every
+        self._trial = False  # the last step was a forced trial of the largest level
+        self._measured_at = 0  # the step count at the last acceptance measurement
         self.steps = 0
         self.since_top = 0
         self.chosen: Dict[int, int] = {}
@@ -125,13 +130,18 @@ class AdaptiveSpeculation:
         top = len(self.levels) - 1
         if top == 0:
             return 0
-        if self.steps == 0 or self.since_top >= self.explore_every:
+        trial = self.steps == 0 or self.since_top >= self.explore_every
+        predicted = not trial and self.steps > 1 and self.verify.ready
+        if trial:
             i = top
-        elif self.steps == 1 or not self.verify.ready:
+        elif not predicted:
             i = 0
         else:
             i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j))
         i = parallel.same_on_generation_ranks([i])[0]
+        if predicted and self._trial:  # the first choice after a trial: did the largest level win its place back?
+            self.explore_every = self.explore_base if i == top else min(2 * self.explore_every, self.max_explore_every)
+        self._trial = trial
         self.steps += 1
         self.since_top = 0 if i == top else self.since_top + 1
         self.chosen[i] = self.chosen.get(i, 0) + 1
@@ -146,8 +156,12 @@ class AdaptiveSpeculation:
         if self.levels[level] == 0:
             return
         chain = tree.max_children is not None and tree.max_children <= 1
-        self.trials = [[t * self.decay for t in ts] for ts in self.trials]
-        self.succ = [[s * self.decay for s in ss] for ss in self.succ]
+        # forget by steps elapsed, not by measurements: after a long spell of plain decoding a trial's fresh counts
+        # outweigh the old ones (a draft that starts to pay is noticed within a trial or two)
+        f = self.decay ** max(1, self.steps - self._measured_at)
+        self._measured_at = self.steps
+        self.trials = [[t * f for t in ts] for ts in self.trials]
+        self.succ = [[s * f for s in ss] for ss in self.succ]
         # a chain's acceptance at depth d holds for every chain level reaching d; a tree's for its own level only
         updated = [j for j in range(1, len(self.levels)) if chain or j == level]
         for r, path in enumerate(res.paths):

@@ -57,7 +57,7 @@ class EagleProposer(SpecModelProposer):
         self.root_hidden: Optional[torch.Tensor] = None
         self.root_logits: Optional[torch.Tensor] = None
         self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
-        self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, h]: features of deferred pairs
+        self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of deferred pairs
         self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the catch-up
         self._deferred_cost: Tuple[float, int] = (0.0, 0)  # catch-up seconds and level-0 steps it covered
@@ -141,11 +141,11 @@ class EagleProposer(SpecModelProposer):
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """Catch the draft up: the accepted path's base features paired with the emitted tokens (after a level-0
         step: kept for a later joint catch-up)."""
+        if self._deferring:  # every row emitted one token (nothing was drafted); fc runs at the catch-up
+            self._defer(st, self.spec.base_features(res.out)[:, 0], [e[0] for e in res.emitted])
+            return
         f = self.path_features(res)
         b, K, dev = st.b, f.shape[1], f.device
-        if self._deferring:  # every row emitted one token (nothing was drafted)
-            self._defer(st, f[:, 0], [e[0] for e in res.emitted])
-            return
         tok, val = pad_chains(res.emitted, n=K, device=dev)
         counts = res.accepted + 1
         view = self.cache.view(0, b)
@@ -157,7 +157,8 @@ class EagleProposer(SpecModelProposer):
         st.count_draft(1)
 
     def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
-        """Keep each row's (feature [b, h], token) pair of a level-0 step; catch up once the buffer is full."""
+        """Keep each row's (base feature [b, F] before the draft's fc, token) pair of a level-0 step; catch up once
+        the buffer is full."""
         b = st.b
         if self.deferred_f is None:
             self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
@@ -184,7 +185,7 @@ class EagleProposer(SpecModelProposer):
         view = self.cache.view(0, b)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max(ln - c for ln, c in zip(st.lengths, counts)),
                           padded=True)
-        hid, _ = self.spec.draft_step(tok, self.deferred_f[:b, :K], ctx, head=False)
+        hid, _ = self.spec.draft_step(tok, self.spec.fuse(self.deferred_f[:b, :K]), ctx, head=False)
         counts_dev = tensor(counts, dev)
         view.lengths += counts_dev
         h = last_valid(hid, counts_dev)
