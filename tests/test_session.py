@@ -220,9 +220,36 @@ def test_adaptive_trials_of_a_draft_that_does_not_pay_grow_rarer():
     trials = run(2000, accepted=0)
     gaps = [y - x for x, y in zip(trials, trials[1:])]
     assert gaps[:4] == [33, 65, 129, 257] and set(gaps[4:]) == {257}
-    assert ctl.explore_every == 256
+    assert ctl.explore_every == ctl.describe()["trial_every"] == 256
     after = run(1000, accepted=3)  # the draft now accepts everything
     assert ctl.explore_every == 32 and len(after) > 500 and after[-1] == 999
+
+
+def test_adaptive_verify_cost_of_a_level_follows_its_own_steps():
+    """Verify time grows more slowly with width on wide steps (here 0.6 ms per token up to 8, 0.2 beyond). After
+    a long spell of narrow level-0 steps the shared line extrapolates a 40-token step at twice its cost; the
+    largest chain's own measured step keeps its prediction right, so at 8 rows it still wins (as its measured
+    tokens per second say it should) instead of locking the controller on plain decoding."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    def verify_s(x):
+        return 1e-3 * (2 + 0.6 * min(x, 8) + 0.2 * max(0, x - 8))
+
+    prop = NS(levels=[0, 1, 2, 3, 4], level_depth=lambda i: i, draft_forwards=lambda i: i)
+    ctl = AdaptiveSpeculation(prop)
+    for level, b, acc in [(4, 8, 3)] + [(0, 1 + k % 8, 0) for k in range(200)]:
+        n = ctl.levels[level]
+        ctl.observe(b, level, NS(tokens=torch.zeros(b, n), sizes=None, max_children=1),
+                    NS(paths=[[0] * (acc + 1)] * b), draft_s=1e-3 * level, verify_s=verify_s(b * (1 + n)))
+    assert ctl.verify.predict(40) > 1.8 * verify_s(40)  # the shared line, fitted on narrow steps
+    assert ctl.verify_seconds(8, 4) == pytest.approx(verify_s(40), rel=0.02)
+    assert ctl.verify_seconds(8, 0) == pytest.approx(verify_s(8), rel=0.02)
+    measured = {4: 8 * ctl.expected_tokens(4) / (verify_s(40) + 4e-3), 0: 8 / verify_s(8)}
+    assert measured[4] > measured[0]
+    ctl.steps = 2
+    assert ctl.choose(8) == 4
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),

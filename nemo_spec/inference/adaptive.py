@@ -4,22 +4,25 @@ The proposer offers levels (draft nodes per row, from 0 = plain decoding up to i
 step of ``b`` rows at level ``i`` the controller predicts
 
     tokens(i)  = b * E[accepted + 1 | level i]           from the running per-depth acceptance at that level
-    seconds(i) = T_verify(b * (1 + nodes(i))) + draft_forwards(i) * T_draft(b)   (+ T_deferred at level 0)
+    seconds(i) = T_verify(b * (1 + nodes(i))) * k(i) + draft_forwards(i) * T_draft(b)   (+ T_deferred at level 0)
 
 with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
 timings of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with
-the highest tokens / seconds. ``T_deferred`` is the running mean, per level-0 step, of the draft work such a step
-put off to a later one (EAGLE reads a run of level-0 steps' tokens into its draft in one forward when it next
-drafts: a level-0 step then costs what an AR step costs, plus that share). At large batches the target forward stops being nearly free per token and the
+the highest tokens / seconds. ``k(i)`` scales the shared line by how level i's own verify steps compared with it
+(a line fitted mostly on narrow level-0 steps can misjudge a step five times as wide). ``T_deferred`` is the
+running mean, per level-0 step, of the draft work such a step put off to a later one (EAGLE reads a run of
+level-0 steps' tokens into its draft in one forward when it next drafts: a level-0 step then costs what an AR
+step costs, plus that share). At large batches the target forward stops being nearly free per token and the
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
-acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step after
-such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay (say,
-one that has not been trained for these prompts) costs few trial steps. Acceptance is kept per level: a chain's conditional acceptance at depth d is
-the same for every chain at least d long (a shorter chain is a prefix of a longer one), so a chain step updates
-every level; a tree of another node budget holds other candidates at each depth (a 3-node tree accepts less at
-depth 1 than a 10-node one), so a tree step updates its own level only — measuring small trees must not make a
-larger one look as poor as they are. Under tensor parallelism the first rank's choice is broadcast (timings differ
+acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step
+after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
+(say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
+elapsed. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
+least d long (a shorter chain is a prefix of a longer one), so a chain step updates every level; a tree of
+another node budget holds other candidates at each depth (a 3-node tree accepts less at depth 1 than a 10-node
+one), so a tree step updates its own level only — measuring small trees must not make a larger one look as poor
+as they are. Under tensor parallelism the first rank's choice is broadcast (timings differ
 per rank; every rank must run the same step).
 """
 from __future__ import annotations
@@ -90,6 +93,8 @@ class AdaptiveSpeculation:
         self.succ = [[prior * prior_weight] * (D + 2) for _ in self.levels]
         self.decay = decay
         self.verify = LinearFit()
+        # per level, decayed sums over its own verify steps: weight, tokens, seconds (see verify_seconds)
+        self.own = [[0.0, 0.0, 0.0] for _ in self.levels]
         self.draft = LinearFit()
         self.deferred_s = self.deferred_steps = 0.0  # decayed sums: deferred draft seconds, level-0 steps covered
         self.explore_every = self.explore_base = explore_every
@@ -110,10 +115,22 @@ class AdaptiveSpeculation:
 
     def predicted_rate(self, b: int, i: int) -> float:
         """Predicted tokens per second of a b-row step at level i."""
-        t = self.verify.predict(b * (1 + self.levels[i])) + self.forwards[i] * self.draft.predict(b)
+        t = self.verify_seconds(b, i) + self.forwards[i] * self.draft.predict(b)
         if self.levels[i] == 0:
             t += self.deferred_per_step()
         return b * self.expected_tokens(i) / t if t > 0 else float("inf")
+
+    def verify_seconds(self, b: int, i: int) -> float:
+        """Predicted verify time of a b-row step at level i: the shared line, scaled by how the level's own steps
+        compared with it. A line through mostly small steps (a long spell at level 0) can badly misjudge a step
+        five times as wide; without the level's own measurements it would then lock the controller out of it."""
+        x = b * (1 + self.levels[i])
+        w, wx, wy = self.own[i]
+        shared = self.verify.predict(x)
+        if w <= 0:
+            return shared
+        at = self.verify.predict(wx / w)
+        return shared * min(4.0, max(0.25, (wy / w) / at)) if at > 0 else shared
 
     def deferred_per_step(self) -> float:
         """Mean seconds of deferred draft work per level-0 step (0 until some was run)."""
@@ -151,6 +168,8 @@ class AdaptiveSpeculation:
         """Learn from one step: its timings and every row's accepted length."""
         n = tree.tokens.shape[1]
         self.verify.add(b * (1 + n), verify_s)
+        own, d = self.own[level], self.verify.decay
+        own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
         if self.forwards[level] > 0 and draft_s > 0:
             self.draft.add(b, draft_s / self.forwards[level])
         if self.levels[level] == 0:
@@ -184,4 +203,4 @@ class AdaptiveSpeculation:
                 "acceptance_by_depth": [round(s / t, 3) for s, t in zip(self.succ[top][1:], self.trials[top][1:])],
                 "expected_tokens": {self.levels[i]: round(self.expected_tokens(i), 3) for i in range(top + 1)},
                 "verify_s": {"fixed": a, "per_token": c}, "draft_forward_s": {"fixed": ad, "per_row": cd},
-                "deferred_draft_s_per_plain_step": self.deferred_per_step()}
+                "deferred_draft_s_per_plain_step": self.deferred_per_step(), "trial_every": self.explore_every}
