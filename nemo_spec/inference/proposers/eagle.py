@@ -144,16 +144,20 @@ class EagleProposer(SpecModelProposer):
         if self._deferring:  # every row emitted one token (nothing was drafted); fc runs at the catch-up
             self._defer(st, self.spec.base_features(res.out)[:, 0], [e[0] for e in res.emitted])
             return
-        f = self.path_features(res)
-        b, K, dev = st.b, f.shape[1], f.device
-        tok, val = pad_chains(res.emitted, n=K, device=dev)
-        counts = res.accepted + 1
+        self._read_pairs(st, res.emitted, self.path_features(res), res.accepted + 1, max(st.lengths))
+
+    def _read_pairs(self, st: StepState, tokens: List[List[int]], feats: torch.Tensor, counts: torch.Tensor,
+                    max_length: int, mask: Optional[torch.Tensor] = None, padded: bool = False) -> None:
+        """One draft forward appending each decode row's pairs (feature [b, K, h], token) to its draft cache;
+        the rows (``mask``: those marked) get the root after their last pair. ``counts`` [b]: pairs per row."""
+        b, K = st.b, feats.shape[1]
+        tok, val = pad_chains(tokens, n=K, device=feats.device)
         view = self.cache.view(0, b)
-        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(st.lengths))
-        hid, _ = self.spec.draft_step(tok, f, ctx, head=False)  # logits: the new roots' rows only
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded)
+        hid, _ = self.spec.draft_step(tok, feats, ctx, head=False)  # logits: the new roots' rows only
         view.lengths += counts
         h = last_valid(hid, counts)
-        self._store_root(0, b, None, h, self.spec.draft_logits(h))
+        self._store_root(0, b, mask, h, self.spec.draft_logits(h))
         st.count_draft(1)
 
     def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
@@ -181,17 +185,9 @@ class EagleProposer(SpecModelProposer):
         counts = [len(x) for x in lists]
         K = max(counts)
         dev = self.deferred_f.device
-        tok, val = pad_chains(lists, n=K, device=dev)
-        view = self.cache.view(0, b)
-        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(ln - c for ln, c in zip(st.lengths, counts)),
-                          padded=True)
-        hid, _ = self.spec.draft_step(tok, self.spec.fuse(self.deferred_f[:b, :K]), ctx, head=False)
-        counts_dev = tensor(counts, dev)
-        view.lengths += counts_dev
-        h = last_valid(hid, counts_dev)
-        had = tensor([c > 0 for c in counts], dev, torch.bool)
-        self._store_root(0, b, had, h, self.spec.draft_logits(h))
-        st.count_draft(1)
+        self._read_pairs(st, lists, self.spec.fuse(self.deferred_f[:b, :K]), tensor(counts, dev),
+                         max(ln - c for ln, c in zip(st.lengths, counts)),
+                         mask=tensor([c > 0 for c in counts], dev, torch.bool), padded=True)
         for r in range(b):
             self.deferred_tok[r] = []
         s, k = self._deferred_cost
