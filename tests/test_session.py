@@ -362,13 +362,14 @@ class _ScriptedLevels:
         return {}
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle_tree"])
-def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method):
+@pytest.mark.parametrize("method,chunk", [("eagle", None), ("eagle_tree", None), ("eagle", 2)])
+def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method, chunk):
     """A level-0 step drafts nothing, so EAGLE keeps its (feature, token) pairs and reads them in one draft forward
-    when a later step drafts, or once lazy_draft_steps of them piled up. Against catching up after every step
-    (lazy_draft_steps=0), under the same level schedule with rows joining and leaving: every proposed tree is the
-    same, greedy rows == AR and sampled rows the same tokens; fewer draft forwards; level 0 costs no draft forward
-    in the cost model."""
+    when a later step drafts, or once lazy_draft_steps of them piled up; a prompt's draft prefill waits for the
+    row's first drafting step the same way (``chunk``: prompts read, and the catch-up read, a few tokens per
+    forward). Against catching up after every step (lazy_draft_steps=0), under the same level schedule with rows
+    joining and leaving: every proposed tree is the same, greedy rows == AR and sampled rows the same tokens; fewer
+    draft forwards; level 0 costs no draft forward in the cost model."""
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(), "eagle3").eval()
@@ -378,7 +379,8 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     schedule = [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]  # runs of 0s longer than the cap too
 
     def run(lazy):
-        sess = Session(spec, method, options={**opts, "lazy_draft_steps": lazy}, max_batch=3, adaptive=True)
+        sess = Session(spec, method, options={**opts, "lazy_draft_steps": lazy}, max_batch=3, adaptive=True,
+                       prefill_chunk_tokens=chunk)
         sess.adaptive = _ScriptedLevels(schedule)
         trees, propose = [], sess.proposer.propose
 
@@ -391,10 +393,10 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
         hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
         sess.run()
         res = [sess.result(h) for h in hs]
-        return res, trees, sess.adaptive.deferred, sess.proposer
+        return res, trees, sess.adaptive.deferred, sess.proposer, sess.stats()
 
-    eager, eager_trees, eager_def, eager_p = run(0)
-    lazy, lazy_trees, lazy_def, lazy_p = run(3)
+    eager, eager_trees, eager_def, eager_p, eager_st = run(0)
+    lazy, lazy_trees, lazy_def, lazy_p, lazy_st = run(3)
     ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
                   options={"ignore_eos": True})
     assert [r.tokens for r in lazy] == [r.tokens for r in eager]
@@ -407,3 +409,4 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert not eager_def and lazy_def and max(lazy_def) <= 3  # caught up after at most 3 level-0 steps
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(3) == 3
+    assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts' pairs waited

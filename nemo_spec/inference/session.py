@@ -172,7 +172,8 @@ class Session:
             self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
         self.level_hist: Dict[int, int] = {}
         self.prefill_forwards = 0
-        self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0}  # wall time of the decode steps, split
+        # wall time of the decode steps, split
+        self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0, "draft_prefill": 0.0}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -282,7 +283,9 @@ class Session:
                                "decode_steps": self.decode_s["steps"],
                                # per decode step: proposing (+ the proposer's post-acceptance update) vs verifying
                                "draft_ms_per_step": 1e3 * self.decode_s["draft"] / k,
-                               "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k}
+                               "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k,
+                               # of the draft time: draft prefills that waited for a row's first drafting step
+                               "draft_prefill_s": self.decode_s["draft_prefill"]}
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe()
         return out
@@ -459,9 +462,11 @@ class Session:
         self.decode_s["draft"] += draft_s
         self.decode_s["verify"] += t2 - t1
         self.decode_s["steps"] += 1
-        lazy_s, lazy_steps = self.proposer.take_deferred_cost()  # earlier level-0 steps' draft work run now
+        # earlier level-0 steps' draft work, and draft prefills put off until this step, run now
+        lazy_s, lazy_steps, prefill_s = self.proposer.take_deferred_cost()
+        self.decode_s["draft_prefill"] += prefill_s
         if self.adaptive is not None:
-            self.adaptive.observe(n, lv, tree, res, draft_s=draft_s - lazy_s, verify_s=t2 - t1)
+            self.adaptive.observe(n, lv, tree, res, draft_s=draft_s - lazy_s - prefill_s, verify_s=t2 - t1)
             self.adaptive.observe_deferred(lazy_s, lazy_steps)
         for r, row in enumerate(rows):
             row.length += len(res.paths[r])

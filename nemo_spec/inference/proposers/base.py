@@ -43,9 +43,10 @@ class Proposer(Protocol):
     def draft_forwards(self, level: int) -> int:
         """Draft-model forwards one step costs at ``level`` (the adaptive controller's cost model)."""
 
-    def take_deferred_cost(self) -> Tuple[float, int]:
-        """(seconds, level-0 steps) of draft work a level-0 step put off and a later step ran, since the last call
-        (the adaptive controller charges it to level 0)."""
+    def take_deferred_cost(self) -> Tuple[float, int, float]:
+        """(seconds, level-0 steps, prefill seconds) of draft work put off and run by a later step, since the last
+        call: the adaptive controller charges the first to level 0; the last (draft prefills that waited for a
+        row's first drafting step) to no level, as an undeferred draft prefill is not a decode step's cost."""
 
     def setup(self, sess: Any) -> None:
         """(Re)allocate per-slot state for ``sess.slots`` rows of ``sess.slot_len`` positions; drops all rows."""
@@ -92,9 +93,9 @@ class BaseProposer:
         """No draft forwards."""
         return 0
 
-    def take_deferred_cost(self) -> Tuple[float, int]:
+    def take_deferred_cost(self) -> Tuple[float, int, float]:
         """Nothing is deferred."""
-        return 0.0, 0
+        return 0.0, 0, 0.0
 
     def setup(self, sess: Any) -> None:
         """No per-slot state."""

@@ -4,6 +4,8 @@ After each verification the draft reads the accepted tokens (paired with the tar
 and computes the next step's root. A step at level 0 (adaptive speculation chose plain decoding) drafts nothing, so
 that catch-up is deferred: the pairs are kept per slot and read in one draft forward when a later step drafts (or
 ``lazy_draft_steps`` level-0 steps have piled up), which is what makes a level-0 step cost what an AR step costs.
+Under adaptive speculation the draft's prefill waits the same way: a prompt's pairs are read with the row's first
+drafting step, so rows that the controller never drafts for (large batches) never pay it.
 """
 from __future__ import annotations
 
@@ -60,7 +62,10 @@ class EagleProposer(SpecModelProposer):
         self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of deferred pairs
         self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the catch-up
-        self._deferred_cost: Tuple[float, int] = (0.0, 0)  # catch-up seconds and level-0 steps it covered
+        self._deferred_cost: Tuple[float, int, float] = (0.0, 0, 0.0)  # catch-up seconds, level-0 steps, prefill s
+        self.prompt_pairs: List[List[Tuple[torch.Tensor, torch.Tensor]]] = []  # per slot: (features [c, F], tokens [c])
+        self.chunk_tokens = 1 << 30  # pairs one catch-up forward may read (the session's prefill chunk budget)
+        self.device = torch.device("cpu")
 
     def _tree_shape(self, level: int) -> "tuple[int, int]":
         """(depth, total nodes) of the tree at ``level`` (level = depth; the node budget shrinks with it)."""
@@ -87,9 +92,9 @@ class EagleProposer(SpecModelProposer):
             return 0
         return 1 + max(0, i - 1)
 
-    def take_deferred_cost(self) -> Tuple[float, int]:
-        """(seconds, level-0 steps) of the deferred catch-ups run since the last call."""
-        out, self._deferred_cost = self._deferred_cost, (0.0, 0)
+    def take_deferred_cost(self) -> Tuple[float, int, float]:
+        """(seconds, level-0 steps, prefill seconds) of the deferred catch-ups run since the last call."""
+        out, self._deferred_cost = self._deferred_cost, (0.0, 0, 0.0)
         return out
 
     def setup(self, sess: Any) -> None:
@@ -101,17 +106,22 @@ class EagleProposer(SpecModelProposer):
         self.deferred_f = None
         self.deferred_tok = [[] for _ in range(sess.slots)]
         self._deferring = False
-        self._deferred_cost = (0.0, 0)
+        self._deferred_cost = (0.0, 0, 0.0)
+        self.prompt_pairs = [[] for _ in range(sess.slots)]
+        self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))
+        self.device = sess.device
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's draft cache row."""
         self.cache.lengths[slot] = 0
         self.cache.starts[slot] = 0
         self.deferred_tok[slot] = []
+        self.prompt_pairs[slot] = []
 
     def release(self, sess: Any, slot: int, row: Any) -> None:
         """Forget the slot's deferred pairs."""
         self.deferred_tok[slot] = []
+        self.prompt_pairs[slot] = []
 
     def _store_root(self, lo: int, hi: int, mask: Optional[torch.Tensor], hid: torch.Tensor,
                     logits: torch.Tensor) -> None:
@@ -127,7 +137,14 @@ class EagleProposer(SpecModelProposer):
 
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk, the prompt's last pairing with the first
-        new token; rows whose prompt is complete get their drafting root."""
+        new token; rows whose prompt is complete get their drafting root. Under adaptive speculation the pairs
+        (base features before fc) are kept for the row's first drafting step instead."""
+        if self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None:  # the pairs wait (see above)
+            f = self.spec.base_features(ch.out)
+            for i, c in enumerate(ch.counts):
+                if c:
+                    self.prompt_pairs[ch.lo + i].append((f[i, :c].clone(), ch.next_ids[i, :c].clone()))
+            return
         feats = self.features(ch.out)
         view = self.cache.view(ch.lo, ch.hi)
         ctx = chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
@@ -150,8 +167,13 @@ class EagleProposer(SpecModelProposer):
                     max_length: int, mask: Optional[torch.Tensor] = None, padded: bool = False) -> None:
         """One draft forward appending each decode row's pairs (feature [b, K, h], token) to its draft cache;
         the rows (``mask``: those marked) get the root after their last pair. ``counts`` [b]: pairs per row."""
-        b, K = st.b, feats.shape[1]
-        tok, val = pad_chains(tokens, n=K, device=feats.device)
+        tok, val = pad_chains(tokens, n=feats.shape[1], device=feats.device)
+        self._read_block(st, tok, val, feats, counts, max_length, mask, padded)
+
+    def _read_block(self, st: StepState, tok: torch.Tensor, val: torch.Tensor, feats: torch.Tensor,
+                    counts: torch.Tensor, max_length: int, mask: Optional[torch.Tensor], padded: bool) -> None:
+        """:meth:`_read_pairs` on padded tokens / valid [b, K]."""
+        b = st.b
         view = self.cache.view(0, b)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded)
         hid, _ = self.spec.draft_step(tok, feats, ctx, head=False)  # logits: the new roots' rows only
@@ -176,22 +198,49 @@ class EagleProposer(SpecModelProposer):
             self.deferred_tok[r].append(toks[r])
 
     def _catch_up(self, st: StepState) -> None:
-        """One draft forward over every decode row's deferred pairs; rows that had any get their new root.
+        """Draft forwards over every decode row's deferred pairs (its prompt's, then its level-0 steps'); rows that
+        had any get their new root. Pairs are read in column chunks of at most ``chunk_tokens`` tokens per forward.
 
         The pairs end where the step's target cache starts (``st.lengths``): the draft cache is that many behind."""
         t0 = time.perf_counter()
         b = st.b
-        lists = self.deferred_tok[:b]
-        counts = [len(x) for x in lists]
-        K = max(counts)
-        dev = self.deferred_f.device
-        self._read_pairs(st, lists, self.spec.fuse(self.deferred_f[:b, :K]), tensor(counts, dev),
-                         max(ln - c for ln, c in zip(st.lengths, counts)),
-                         mask=tensor([c > 0 for c in counts], dev, torch.bool), padded=True)
+        steps = [len(x) for x in self.deferred_tok[:b]]
+        prompt = [sum(int(t.numel()) for _, t in pp) for pp in self.prompt_pairs[:b]]
+        counts = [p + s for p, s in zip(prompt, steps)]
+        dev = self.device
+        if not any(prompt):  # level-0 steps only: one forward over the step buffer
+            K = max(steps)
+            self._read_pairs(st, self.deferred_tok[:b], self.spec.fuse(self.deferred_f[:b, :K]), tensor(steps, dev),
+                             max(ln - c for ln, c in zip(st.lengths, steps)),
+                             mask=tensor([c > 0 for c in steps], dev, torch.bool), padded=True)
+        else:
+            K = max(counts)
+            f0 = next(f for pp in self.prompt_pairs[:b] for f, _ in pp)
+            feats = f0.new_zeros(b, K, f0.shape[-1])
+            tok = torch.zeros(b, K, dtype=torch.long, device=dev)
+            for r in range(b):
+                parts_f = [f for f, _ in self.prompt_pairs[r]]
+                parts_t = [t for _, t in self.prompt_pairs[r]]
+                if steps[r]:
+                    parts_f.append(self.deferred_f[r, :steps[r]])
+                    parts_t.append(tensor(self.deferred_tok[r], dev))
+                if parts_f:
+                    feats[r, :counts[r]] = torch.cat(parts_f)
+                    tok[r, :counts[r]] = torch.cat(parts_t)
+            val = torch.arange(K, device=dev)[None] < tensor(counts, dev)[:, None]
+            width = max(1, self.chunk_tokens // b)
+            for j in range(0, K, width):
+                cj = [min(max(c - j, 0), width) for c in counts]
+                self._read_block(st, tok[:, j:j + width], val[:, j:j + width], self.spec.fuse(feats[:, j:j + width]),
+                                 tensor(cj, dev), max(ln - c + min(j, c) for ln, c in zip(st.lengths, counts)),
+                                 mask=tensor([c > 0 for c in cj], dev, torch.bool), padded=True)
         for r in range(b):
             self.deferred_tok[r] = []
-        s, k = self._deferred_cost
-        self._deferred_cost = (s + time.perf_counter() - t0, k + K)
+            self.prompt_pairs[r] = []
+        dt = time.perf_counter() - t0
+        pre = dt * sum(prompt) / max(sum(counts), 1)  # the prompts' share: draft prefill, not level-0 work
+        s, k, p = self._deferred_cost
+        self._deferred_cost = (s + dt - pre, k + max(steps), p + pre)
 
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' draft cache rows, roots and deferred pairs."""
@@ -200,6 +249,7 @@ class EagleProposer(SpecModelProposer):
         swap_rows(self.root_logits, i, j)
         swap_rows(self.deferred_f, i, j)
         self.deferred_tok[i], self.deferred_tok[j] = self.deferred_tok[j], self.deferred_tok[i]
+        self.prompt_pairs[i], self.prompt_pairs[j] = self.prompt_pairs[j], self.prompt_pairs[i]
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
@@ -212,7 +262,7 @@ class EagleProposer(SpecModelProposer):
         self._deferring = i == 0 and self.lazy_steps > 0
         if i == 0:
             return DraftTree.empty(st.b, sess.device)
-        if any(self.deferred_tok[:st.b]):
+        if any(self.deferred_tok[:st.b]) or any(self.prompt_pairs[:st.b]):
             self._catch_up(st)
         view = self.cache.view(0, st.b)
         if self.tree:
