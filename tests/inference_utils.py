@@ -74,13 +74,37 @@ def naive_greedy(model, prompt: List[int], n: int) -> List[int]:
 SLOT_REUSE_ROWS = (([5, 9, 11, 3, 5, 9], 8), ([40, 2], 3), ([7, 1, 30], 6))
 
 
-def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int = 2, after=None):
+class ScriptedLevels:
+    """Stands in for the adaptive controller: the levels of a fixed schedule, step by step."""
+
+    def __init__(self, seq):
+        self.seq, self.i, self.deferred = seq, 0, []
+
+    def choose(self, b):
+        self.i += 1
+        return self.seq[(self.i - 1) % len(self.seq)]
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def observe_deferred(self, seconds, steps):
+        if steps:
+            self.deferred.append(steps)
+
+    def describe(self):
+        return {}
+
+
+def recorded_proposals(model, method: str, rows, options: Dict, max_batch: int = 2, after=None, levels=None):
     """Run a Session over ``rows`` [(prompt, SamplingParams or max_new_tokens)] recording every step's proposal:
     ([(rows' sequences so far), DraftTree, its tokens cloned)], and the rows' results. ``after(proposer, st)`` is
-    called after every proposal (a check of the proposer's state)."""
+    called after every proposal (a check of the proposer's state); ``levels``: an adaptive session whose
+    speculation levels follow this schedule (:class:`ScriptedLevels`)."""
     from nemo_spec.inference.session import Session
 
     sess = Session(model, method, options=options, max_batch=max_batch)
+    if levels is not None:
+        sess.adaptive = ScriptedLevels(levels)
     seen = []
     propose = sess.proposer.propose
 

@@ -50,9 +50,10 @@ def test_speculative_module_re_exports_the_proposers():
         assert getattr(speculative, name) is getattr(proposers, name)
 
 
-def _eagle_reference_chain(m, seq, k):
+def _eagle_reference_chain(m, seq, k, skip=0):
     """The k-token greedy chain of one EAGLE draft by plain cache-free forwards: pairs (f_t, x_{t+1}) of the
-    sequence, then each drafted token paired with the draft's own output hidden of the previous entry."""
+    sequence (from pair ``skip`` on: the base still reads all of it), then each drafted token paired with the
+    draft's own output hidden of the previous entry."""
     import torch
 
     from nemo_spec.models import AttnContext
@@ -60,7 +61,7 @@ def _eagle_reference_chain(m, seq, k):
     ids = torch.tensor([seq])
     with torch.no_grad():
         feats = m.fuse(m.base_features(m.base_forward(ids)))[:, :-1]
-        tok, feat, chain = ids[:, 1:], feats, []
+        tok, feat, chain = ids[:, 1 + skip:], feats[:, skip:], []
         for _ in range(k):
             ctx = AttnContext(position_ids=torch.arange(tok.shape[1])[None])
             hid, logits = m.draft_step(tok, feat, ctx)
@@ -99,3 +100,67 @@ def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
     for seqs, _, tokens in seen:
         for r, seq in enumerate(seqs):
             assert tokens[r].tolist() == _eagle_reference_chain(m, seq, K), seq
+
+
+def _trained_eagle(alg):
+    """A tiny EAGLE draft trained on the target's own continuations of SLOT_REUSE_ROWS' prompts."""
+    import torch
+
+    from nemo_spec.models import build_gpt
+    from nemo_spec.speculative import SpeculativeTransform
+    from tests.helpers import tiny_llama
+    from tests.inference_utils import SLOT_REUSE_ROWS, train_on_own_continuations
+    from tests.speculative_utils import perturb_draft
+
+    torch.manual_seed(0)
+    kw = {"draft_vocab_size": 64} if alg == "eagle3" else {}
+    m = SpeculativeTransform(algorithm=alg, **kw)(build_gpt(tiny_llama(num_layers=3, init_method_std=0.1)))
+    if alg == "eagle3":
+        m.set_draft_vocab(torch.arange(96, 0, -1).float())
+    return train_on_own_continuations(perturb_draft(m, 1).eval(), [p for p, _ in SLOT_REUSE_ROWS], 40)
+
+
+@pytest.mark.parametrize("extra,levels", [({}, None), ({"prefill_chunk_tokens": 2}, None),
+                                          ({"prefill_chunk_tokens": 3}, [0, 3, 0, 0, 2, 3, 0])],
+                         ids=["one-chunk", "chunked", "adaptive-deferred"])
+def test_eagle_draft_prompt_window_reads_only_the_last_prompt_pairs(extra, levels):
+    """draft_prompt_tokens=W: every step's chain equals the plain forwards' chain over the prompt's last W pairs
+    (plus every generated one) — with the prompt read in one chunk, in chunks that fall wholly before the window
+    or straddle it, and with adaptive speculation's deferred draft prefill; a row taking over a finished row's
+    slot starts its own window; greedy output == AR; a window covering the prompt changes nothing."""
+    from nemo_spec.inference import generate
+    from nemo_spec.inference.sampling import SamplingParams
+    from tests.inference_utils import SLOT_REUSE_ROWS, recorded_proposals
+
+    m = _trained_eagle("eagle3")
+    K, W = 3, 2
+    prompts = [p for p, _ in SLOT_REUSE_ROWS]
+    opts = {"num_draft_tokens": K, "draft_prompt_tokens": W, **extra}
+    seen, results = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, opts, levels=levels)
+    checked = 0
+    for seqs, tree, tokens in seen:
+        for r, seq in enumerate(seqs):
+            n = tokens.shape[1]
+            if n == 0:  # a plain step (adaptive chose no draft)
+                continue
+            prompt = next(p for p in prompts if seq[:len(p)] == p)
+            assert tokens[r].tolist() == _eagle_reference_chain(m, seq, n, skip=max(0, len(prompt) - W)), seq
+            checked += 1
+    assert checked >= 3 and any(len(p) > W for p in prompts)
+    ar = generate(m, prompts, SamplingParams(max_new_tokens=8), method="ar")
+    for res, ref, (_, n) in zip(results, ar, SLOT_REUSE_ROWS):
+        assert res.tokens == ref.tokens[:n]
+    # a window as long as every prompt is the whole prompt: the same proposals as no window
+    full, _ = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, {**opts, "draft_prompt_tokens": 6}, levels=levels)
+    none, _ = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, {**opts, "draft_prompt_tokens": 0}, levels=levels)
+    assert [t.tolist() for _, _, t in full] == [t.tolist() for _, _, t in none]
+
+
+def test_eagle_draft_prompt_window_rejects_bad_values():
+    from nemo_spec.inference import generate
+    from nemo_spec.inference.sampling import SamplingError
+
+    m = _trained_eagle("eagle1")
+    for bad in (-1, 1.5, "8", True):
+        with pytest.raises(SamplingError, match="draft_prompt_tokens"):
+            generate(m, [[5, 9, 11]], method="eagle", options={"draft_prompt_tokens": bad})

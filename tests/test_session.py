@@ -9,6 +9,7 @@ from nemo_spec.inference.session import Session, prefill_groups
 from nemo_spec.inference.trees import ancestor_mask, children_lists
 from nemo_spec.models import build_gpt
 from tests.helpers import tiny_llama
+from tests.inference_utils import ScriptedLevels
 
 torch.set_num_threads(1)
 
@@ -341,27 +342,6 @@ def test_the_plain_decode_step_equals_the_empty_tree_verification(model, method,
         assert any(sum(h[1:]) for _, h, _ in plain)  # and speculative steps accepted drafts
 
 
-class _ScriptedLevels:
-    """Stands in for the adaptive controller: the levels of a fixed schedule, step by step."""
-
-    def __init__(self, seq):
-        self.seq, self.i, self.deferred = seq, 0, []
-
-    def choose(self, b):
-        self.i += 1
-        return self.seq[(self.i - 1) % len(self.seq)]
-
-    def observe(self, *args, **kwargs):
-        pass
-
-    def observe_deferred(self, seconds, steps):
-        if steps:
-            self.deferred.append(steps)
-
-    def describe(self):
-        return {}
-
-
 @pytest.mark.parametrize("method,chunk", [("eagle", None), ("eagle_tree", None), ("eagle", 2)])
 def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method, chunk):
     """A level-0 step drafts nothing, so EAGLE keeps its (feature, token) pairs and reads them in one draft forward
@@ -381,7 +361,7 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     def run(lazy):
         sess = Session(spec, method, options={**opts, "lazy_draft_steps": lazy}, max_batch=3, adaptive=True,
                        prefill_chunk_tokens=chunk)
-        sess.adaptive = _ScriptedLevels(schedule)
+        sess.adaptive = ScriptedLevels(schedule)
         trees, propose = [], sess.proposer.propose
 
         def record(s, st, level=None):

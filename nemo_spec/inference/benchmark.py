@@ -160,7 +160,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               warm_prompts: Optional[List[List[int]]] = None, adaptive: bool = False,
               compile_mode: Optional[str] = None,
               extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = (),
-              schedule: str = "fixed", eager_catchup: bool = False) -> Dict[str, Any]:
+              schedule: str = "fixed", eager_catchup: bool = False,
+              draft_prompt_tokens: Sequence[int] = ()) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -171,6 +172,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     with ``eager_catchup`` too, the EAGLE methods also run adaptive with their draft caught up after every step
     (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay a draft forward, as before the
     deferred catch-up);
+    each of ``draft_prompt_tokens`` (W) runs the EAGLE methods once more with the draft reading only each prompt's
+    last W pairs (``<method>+dpt=W`` rows, and ``<method>+adaptive+dpt=W`` with ``adaptive``);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
     ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method of the
     main model once more with that small-row CPU kernel rule (``<method>+gemm=<mode>`` rows, their speed-up taken
@@ -214,6 +217,12 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive+stepwise batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive+stepwise", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
+            for w in (draft_prompt_tokens if m in ("eagle", "eagle_tree") else ()):
+                for ad in ((False, True) if adaptive else (False,)):
+                    label = f"{m}{'+adaptive' if ad else ''}+dpt={w}"
+                    jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
+                        _relabel, label, ours, model, prompts, m, b, max_new_tokens, draft_model,
+                        {**(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})})))
             if compile_mode:
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
                     _relabel, f"{m}+compiled", ours, model, prompts, m, b, max_new_tokens, draft_model,
@@ -261,6 +270,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "options": options or {}, "tree_options": tree_options or {},
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
                             "adaptive": adaptive, "eager_catchup": eager_catchup, "compile": compile_mode,
+                            "draft_prompt_tokens": [int(w) for w in draft_prompt_tokens],
                             "schedule": schedule,
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "pretune_s": pretune_s,
@@ -652,6 +662,9 @@ def build_parser():
     p.add_argument("--eager-catchup", action="store_true",
                    help="with --adaptive: EAGLE methods also run with the draft caught up after every step "
                         "(<method>+adaptive+stepwise rows, lazy_draft_steps=0) next to the deferred catch-up")
+    p.add_argument("--draft-prompt-tokens", type=int, nargs="+", default=[],
+                   help="also run the EAGLE methods with the draft reading only each prompt's last N tokens "
+                        "(<method>+dpt=N rows; option draft_prompt_tokens) next to the whole prompt")
     p.add_argument("--compile", nargs="?", const="default", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="also run every method with its decode step compiled (<method>+compiled rows; "
@@ -730,7 +743,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        hf=not args.no_hf, work_dir=Path(args.out_dir), repeats=args.repeats, tree_options=tree_options,
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
                        compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm,
-                       schedule=args.schedule, eager_catchup=args.eager_catchup)
+                       schedule=args.schedule, eager_catchup=args.eager_catchup,
+                       draft_prompt_tokens=args.draft_prompt_tokens)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")

@@ -36,7 +36,7 @@ DEFAULT_SCORE_TEMPERATURE = 0.2
 KNOWN_OPTIONS = ("num_draft_tokens", "depth", "top_k", "total_tokens", "score_temperature", "medusa_choices",
                  "tree_choices", "max_ngram", "min_ngram", "max_depth", "spec_factor", "min_token_prob", "global_cache",
                  "global_update", "pad_id", "max_cache_len", "ignore_eos", "adaptive", "prefill_chunk_tokens",
-                 "prefill_pad_tokens", "max_batch", "compile", "lazy_draft_steps")
+                 "prefill_pad_tokens", "max_batch", "compile", "lazy_draft_steps", "draft_prompt_tokens")
 
 
 def check_options(options: Dict[str, Any]) -> None:
@@ -67,11 +67,12 @@ def level_index(levels: List[int], level: Optional[int]) -> int:
 
 
 def chain_block(cache, tokens: torch.Tensor, valid: torch.Tensor, max_pos: int, prefix=None, depth0: int = 0,
-                 max_length: Optional[int] = None, padded: bool = False):
-    """Context for right-padded ragged chains [b, n] appended to ``cache`` (``padded``: see block_context)."""
+                 max_length: Optional[int] = None, padded: bool = False, unpadded: bool = True):
+    """Context for right-padded ragged chains [b, n] appended to ``cache`` (``padded``: see block_context).
+    ``unpadded``: no row of the cache starts after slot 0 (then one new entry of one row attends unmasked)."""
     anc, depth = chain_mask(valid)
     return block_context(cache, anc, depth + depth0, max_pos, prefix, max_length=max_length,
-                         single_decode=tokens.shape[1] == 1 and prefix is None, padded=padded)
+                         single_decode=unpadded and tokens.shape[1] == 1 and prefix is None, padded=padded)
 
 
 def last_valid(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

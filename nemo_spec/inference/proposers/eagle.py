@@ -6,6 +6,11 @@ that catch-up is deferred: the pairs are kept per slot and read in one draft for
 ``lazy_draft_steps`` level-0 steps have piled up), which is what makes a level-0 step cost what an AR step costs.
 Under adaptive speculation the draft's prefill waits the same way: a prompt's pairs are read with the row's first
 drafting step, so rows that the controller never drafts for (large batches) never pay it.
+
+With ``draft_prompt_tokens`` = W the draft reads only the last W of a prompt's pairs (its prefill costs W tokens,
+not the prompt's length): the slot's draft cache starts at the first pair it reads, so positions and cache lengths
+keep their meaning and every later pair (generated tokens) is read as before. Output stays exact (drafts are
+verified); only what the draft can see, and so how much of it is accepted, changes.
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class EagleProposer(SpecModelProposer):
         self.root_hidden: Optional[torch.Tensor] = None
         self.root_logits: Optional[torch.Tensor] = None
         self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
+        self.window = opt_int(options, "draft_prompt_tokens", 0, lo=0)  # 0: the draft reads the whole prompt
+        self.skip: List[int] = []  # per slot: prompt pairs before the draft's window (not read)
         self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of deferred pairs
         self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the catch-up
@@ -108,13 +115,16 @@ class EagleProposer(SpecModelProposer):
         self._deferring = False
         self._deferred_cost = (0.0, 0, 0.0)
         self.prompt_pairs = [[] for _ in range(sess.slots)]
+        self.skip = [0] * sess.slots
         self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))
         self.device = sess.device
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
-        """Empty the slot's draft cache row."""
-        self.cache.lengths[slot] = 0
-        self.cache.starts[slot] = 0
+        """Empty the slot's draft cache row (it starts at the draft's window of the prompt)."""
+        skip = max(0, len(row.prompt) - self.window) if self.window else 0
+        self.skip[slot] = skip
+        self.cache.lengths[slot] = skip
+        self.cache.starts[slot] = skip
         self.deferred_tok[slot] = []
         self.prompt_pairs[slot] = []
 
@@ -135,23 +145,44 @@ class EagleProposer(SpecModelProposer):
             set_rows(self.root_hidden, lo, hi, mask, hid)
             set_rows(self.root_logits, lo, hi, mask, logits)
 
+    def _in_window(self, ch: PrefillChunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int], List[int]]:
+        """The chunk's pairs inside each row's draft window: (tokens [m, c], base features [m, c, F] before fc,
+        valid [m, c], pairs per row, draft cache length per row before them), left-aligned per row."""
+        f = self.spec.base_features(ch.out)
+        skips = [self.skip[ch.lo + i] if r is not None else 0 for i, r in enumerate(ch.rows)]
+        drop = [min(max(s - b, 0), c) for s, b, c in zip(skips, ch.before, ch.counts)]
+        lengths = [max(b, s) for b, s in zip(ch.before, skips)]
+        if not any(drop):
+            return ch.next_ids, f, ch.valid, list(ch.counts), lengths
+        counts = [c - d for c, d in zip(ch.counts, drop)]
+        n = max(max(counts), 1)
+        dev = ch.next_ids.device
+        idx = (torch.arange(n, device=dev)[None] + tensor(drop, dev)[:, None]).clamp(max=ch.next_ids.shape[1] - 1)
+        tok = ch.next_ids.gather(1, idx)
+        f = f.gather(1, idx[:, :, None].expand(-1, -1, f.shape[-1]))
+        val = torch.arange(n, device=dev)[None] < tensor(counts, dev)[:, None]
+        return tok, f, val, counts, lengths
+
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
-        """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk, the prompt's last pairing with the first
-        new token; rows whose prompt is complete get their drafting root. Under adaptive speculation the pairs
-        (base features before fc) are kept for the row's first drafting step instead."""
+        """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk (those in the draft's window), the prompt's
+        last pairing with the first new token; rows whose prompt is complete get their drafting root. Under
+        adaptive speculation the pairs (base features before fc) are kept for the row's first drafting step."""
+        tok, f, val, counts, lengths = self._in_window(ch)
         if self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None:  # the pairs wait (see above)
-            f = self.spec.base_features(ch.out)
-            for i, c in enumerate(ch.counts):
+            for i, c in enumerate(counts):
                 if c:
-                    self.prompt_pairs[ch.lo + i].append((f[i, :c].clone(), ch.next_ids[i, :c].clone()))
+                    self.prompt_pairs[ch.lo + i].append((f[i, :c].clone(), tok[i, :c].clone()))
             return
-        feats = self.features(ch.out)
+        if not any(counts):  # the whole chunk lies before the rows' windows
+            return
+        counts_dev = tensor(counts, tok.device)
         view = self.cache.view(ch.lo, ch.hi)
-        ctx = chain_block(view, ch.next_ids, ch.valid, self.max_pos, max_length=max(ch.before), padded=True)
-        hid, _ = self.spec.draft_step(ch.next_ids, feats, ctx, head=False)  # logits: the roots' rows only
-        view.lengths += ch.counts_dev
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max(lengths), padded=True,
+                          unpadded=self.window == 0)
+        hid, _ = self.spec.draft_step(tok, self.spec.fuse(f), ctx, head=False)  # logits: the roots' rows only
+        view.lengths += counts_dev
         if any(ch.final):
-            h = last_valid(hid, ch.counts_dev)
+            h = last_valid(hid, counts_dev)
             self._store_root(ch.lo, ch.hi, ch.final_dev, h, self.spec.draft_logits(h))
         ch.count_draft(1)
 
@@ -175,7 +206,8 @@ class EagleProposer(SpecModelProposer):
         """:meth:`_read_pairs` on padded tokens / valid [b, K]."""
         b = st.b
         view = self.cache.view(0, b)
-        ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded)
+        ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded,
+                          unpadded=self.window == 0)
         hid, _ = self.spec.draft_step(tok, feats, ctx, head=False)  # logits: the new roots' rows only
         view.lengths += counts
         h = last_valid(hid, counts)
@@ -250,6 +282,7 @@ class EagleProposer(SpecModelProposer):
         swap_rows(self.deferred_f, i, j)
         self.deferred_tok[i], self.deferred_tok[j] = self.deferred_tok[j], self.deferred_tok[i]
         self.prompt_pairs[i], self.prompt_pairs[j] = self.prompt_pairs[j], self.prompt_pairs[i]
+        self.skip[i], self.skip[j] = self.skip[j], self.skip[i]
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
