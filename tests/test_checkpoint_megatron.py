@@ -113,6 +113,29 @@ def test_speculative_model_roundtrip(tmp_path):
         assert torch.equal(a[k], b[k]), k
     base_only = load_model(path, base_only=True)
     assert type(base_only).__name__ == "GPTModel" and _same_weights(base, base_only)
+    assert loaded.trained_seq_len is None and "trained_seq_len" not in cfg  # unknown unless a recipe trained it
+
+
+def test_speculative_checkpoint_keeps_the_draft_training_length(tmp_path):
+    """SpeculativeGPT.trained_seq_len is written to nemo_spec_config.json, read back by load_model, kept by a
+    re-save; a malformed value is refused naming the field."""
+    spec_mod = pytest.importorskip("nemo_spec.speculative")
+    torch.manual_seed(2)
+    model = spec_mod.SpeculativeTransform(algorithm="eagle3", draft_vocab_size=48)(build_gpt(tiny_llama(num_layers=2)))
+    model.trained_seq_len = 96
+    path = save_checkpoint(model, tmp_path / "spec")
+    assert read_checkpoint_config(path)["trained_seq_len"] == 96
+    loaded = load_model(path)
+    assert loaded.trained_seq_len == 96
+    again = save_checkpoint(loaded, tmp_path / "again")
+    assert load_model(again).trained_seq_len == 96
+    cfg_file = path / ckpt_megatron.CONFIG_NAME
+    for bad in (0, "96", 1.5, True):
+        meta = json.loads(cfg_file.read_text())
+        meta["trained_seq_len"] = bad
+        cfg_file.write_text(json.dumps(meta))
+        with pytest.raises(CheckpointConfigError, match="trained_seq_len"):
+            load_model(path)
 
 
 # ----------------------------------------------------------------------------------------------------------------

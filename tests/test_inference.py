@@ -518,6 +518,7 @@ def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
     assert got["eagle+dpt=3"]["options"]["draft_prompt_tokens"] == 3 and res["config"]["draft_prompt_tokens"] == [3]
     assert got["eagle_tree+adaptive+dpt=3"]["options"]["adaptive"] is True
     assert "draft_prompt_tokens" not in got["eagle"]["options"]
-    assert all(r["matches_ar"] == 1.0 for r in res["rows"])
+    assert all(r["matches_ar"] == 1.0 and r["prefill_s"] > 0 for r in res["rows"])
+    assert "| prefill s |" in bench.to_markdown(res)
     assert bench.build_parser().parse_args(["--model", "x", "--draft-prompt-tokens", "64", "128"]).draft_prompt_tokens \
         == [64, 128]

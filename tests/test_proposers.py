@@ -156,6 +156,24 @@ def test_eagle_draft_prompt_window_reads_only_the_last_prompt_pairs(extra, level
     assert [t.tolist() for _, _, t in full] == [t.tolist() for _, _, t in none]
 
 
+def test_eagle_draft_prompt_window_defaults_to_the_draft_training_length():
+    """Without the option the window is SpeculativeGPT.trained_seq_len (when known): the same proposals as the
+    option set to it; draft_prompt_tokens=0 reads whole prompts again; no recorded length: whole prompts."""
+    from tests.inference_utils import SLOT_REUSE_ROWS, recorded_proposals
+
+    m = _trained_eagle("eagle3")
+    opts = {"num_draft_tokens": 3}
+
+    def chains(model, o):
+        seen, _ = recorded_proposals(model, "eagle", SLOT_REUSE_ROWS, o)
+        return [t.tolist() for _, _, t in seen]
+
+    whole = chains(m, opts)
+    m.trained_seq_len = 2
+    assert chains(m, opts) == chains(m, {**opts, "draft_prompt_tokens": 2}) != whole
+    assert chains(m, {**opts, "draft_prompt_tokens": 0}) == whole
+
+
 def test_eagle_draft_prompt_window_rejects_bad_values():
     from nemo_spec.inference import generate
     from nemo_spec.inference.sampling import SamplingError

@@ -390,3 +390,5 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(3) == 3
     assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts' pairs waited
+    # prefill_s: the prompts' reading in all, the draft's deferred part included
+    assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0

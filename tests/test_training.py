@@ -162,6 +162,7 @@ def test_algorithm_trains_loss_falls_and_tau_rises(base, tmp_path, algorithm):
 
         loaded = load_model(res.final_checkpoint)
         assert loaded.algorithm == "eagle3" and loaded.draft_vocab_size == 64
+        assert loaded.trained_seq_len == cfg.data.max_seq_len  # generation's default draft prompt window
         got = loaded.draft.state_dict()
         for k, v in res.module.model.draft.state_dict().items():
             if isinstance(v, torch.Tensor):

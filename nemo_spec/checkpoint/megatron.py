@@ -370,6 +370,8 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
 
     if is_speculative(module):
         meta["speculative"] = module.spec_config.to_dict()
+        if module.trained_seq_len:
+            meta["trained_seq_len"] = int(module.trained_seq_len)
     for k, v in (extra or {}).items():
         if k in meta:
             raise CheckpointError(f"extra key {k!r} would overwrite a reserved {CONFIG_NAME} field")
@@ -555,6 +557,11 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], bas
     _ensure_parallel(tp, ep)
     module = build_for_checkpoint(cfg, spec, dtype, source)
     load_dist_into(module, p, source)
+    if spec is not None and cfg_dict.get("trained_seq_len") is not None:
+        n = cfg_dict["trained_seq_len"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CheckpointConfigError(f"{source}: field 'trained_seq_len' must be an int >= 1, got {n!r}")
+        module.trained_seq_len = n
     log.info("loaded %s checkpoint %s (saved at tp=%s, ep=%s) at tp=%d ep=%d", FORMAT_NAME, p,
              cfg_dict.get("tp_size_saved"), cfg_dict.get("ep_size_saved", 1), tp, ep)
     return module

@@ -74,7 +74,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
         tf = df = 0
         chosen: Dict[int, int] = {}  # draft nodes per row -> steps (what adaptive speculation chose)
         steps = 0
-        draft_ms = verify_ms = 0.0
+        draft_ms = verify_ms = prefill_s = 0.0
         _sync(dev)
         t0 = time.perf_counter()
         for chunk in (_chunks(prompts, batch_size) if schedule == "fixed" else [prompts]):
@@ -84,6 +84,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
             steps += n_dec
             draft_ms += n_dec * sess.get("draft_ms_per_step", 0.0)
             verify_ms += n_dec * sess.get("verify_ms_per_step", 0.0)
+            prefill_s += sess.get("prefill_s", 0.0)
             for lv, k in sess.get("levels", {}).items():
                 nodes = sess["draft_nodes_per_level"][lv]
                 chosen[nodes] = chosen.get(nodes, 0) + k
@@ -99,7 +100,8 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
             "tokens_per_s": n / dt, "tau": sum(taus) / len(taus), "target_forwards": tf, "draft_forwards": df,
             "tokens": tokens, "options": opts, "schedule": schedule, "draft_nodes_chosen": chosen,
             "draft_ms_per_step": draft_ms / steps if steps else None,
-            "verify_ms_per_step": verify_ms / steps if steps else None}
+            "verify_ms_per_step": verify_ms / steps if steps else None,
+            "prefill_s": prefill_s}
 
 
 #: how our rows batch the prompts (``run_ours``): consecutive fixed batches, or one continuous-batching session
@@ -543,16 +545,17 @@ def check_targets(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> List[D
 
 def to_markdown(result: Dict[str, Any]) -> str:
     """Markdown table of the benchmark rows plus the summary ratios."""
-    lines = ["| engine | method | batch | tokens/s | tau | draft ms/step | verify ms/step | speedup vs our AR "
-             "| matches our AR |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| engine | method | batch | tokens/s | tau | draft ms/step | verify ms/step | prefill s "
+             "| speedup vs our AR | matches our AR |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") is not None else "-"
         ma = f"{100 * r['matches_ar']:.0f}%" if r.get("matches_ar") is not None else "-"
         dm, vm = (f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("draft_ms_per_step", "verify_ms_per_step"))
+        pf = f"{r['prefill_s']:.3f}" if r.get("prefill_s") is not None else "-"
         lines.append(f"| {r['engine']} | {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {tau} | {dm} "
-                     f"| {vm} | {sp} | {ma} |")
+                     f"| {vm} | {pf} | {sp} | {ma} |")
     lines.append("")
     for k, v in result["summary"].items():
         if isinstance(v, dict) and "ratio" in v:

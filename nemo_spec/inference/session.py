@@ -172,6 +172,7 @@ class Session:
             self.adaptive = store.get(key) or store.setdefault(key, AdaptiveSpeculation(self.proposer))
         self.level_hist: Dict[int, int] = {}
         self.prefill_forwards = 0
+        self.prefill_s = 0.0  # wall time of the prefill steps (target forwards + the draft's prefill when not deferred)
         # wall time of the decode steps, split
         self.decode_s = {"draft": 0.0, "verify": 0.0, "steps": 0, "draft_prefill": 0.0}
         if self.device.type == "cuda":
@@ -222,7 +223,9 @@ class Session:
                 self._drop_finished()
                 self._admit()
                 if self.prefilling:
+                    t0 = time.perf_counter()
                     self._prefill()
+                    self.prefill_s += time.perf_counter() - t0
                 if self.n_dec:
                     self._decode()
                 self.steps += 1
@@ -285,7 +288,9 @@ class Session:
                                "draft_ms_per_step": 1e3 * self.decode_s["draft"] / k,
                                "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k,
                                # of the draft time: draft prefills that waited for a row's first drafting step
-                               "draft_prefill_s": self.decode_s["draft_prefill"]}
+                               "draft_prefill_s": self.decode_s["draft_prefill"],
+                               # reading prompts in all: target prefill + the draft's, deferred or not
+                               "prefill_s": self.prefill_s + self.decode_s["draft_prefill"]}
         if self.adaptive is not None:
             out["adaptive"] = self.adaptive.describe()
         return out

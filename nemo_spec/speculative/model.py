@@ -43,6 +43,10 @@ class SpeculativeGPT(MegatronModule):
         #: the optimizer step being trained, set by the training loop (our recipe, the NeMo callback); schedules
         #: of the draft objective read it (P-EAGLE ``depth_warmup_steps``)
         self.train_step: Optional[int] = None
+        #: the longest sequence the draft was trained on (our recipe records it in the checkpoint; None: unknown).
+        #: EAGLE generation lets the draft read at most this many prompt tokens by default (option
+        #: ``draft_prompt_tokens``): a draft attends worse over contexts longer than it has seen.
+        self.trained_seq_len: Optional[int] = None
         for p in self.gpt.parameters():
             p.requires_grad_(False)
         self.gpt.eval()

@@ -239,7 +239,11 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     final = None
     if save_final:
         from nemo_spec.checkpoint import save_checkpoint
+        from nemo_spec.models import unwrap_speculative
 
+        spec = unwrap_speculative(module.model)
+        if spec is not None:  # generation keeps the draft's prompt context within what it was trained on
+            spec.trained_seq_len = int(cfg.data.max_seq_len)
         final = save_checkpoint(module.model, run_dir / "final", tokenizer_dir=tok_dir,
                                 extra={"trained_steps": int(trainer.global_step)}, overwrite=True)
     return TrainResult(module, trainer, run_dir, final, tau_cb.history if tau_cb else [])

@@ -10,7 +10,9 @@ drafting step, so rows that the controller never drafts for (large batches) neve
 With ``draft_prompt_tokens`` = W the draft reads only the last W of a prompt's pairs (its prefill costs W tokens,
 not the prompt's length): the slot's draft cache starts at the first pair it reads, so positions and cache lengths
 keep their meaning and every later pair (generated tokens) is read as before. Output stays exact (drafts are
-verified); only what the draft can see, and so how much of it is accepted, changes.
+verified); only what the draft can see, and so how much of it is accepted, changes. The default is the sequence
+length the draft was trained on when its checkpoint records it (``SpeculativeGPT.trained_seq_len``), else the
+whole prompt: a one-layer draft attends worse over contexts longer than it has seen (measured: README).
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ class EagleProposer(SpecModelProposer):
         self.root_hidden: Optional[torch.Tensor] = None
         self.root_logits: Optional[torch.Tensor] = None
         self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
-        self.window = opt_int(options, "draft_prompt_tokens", 0, lo=0)  # 0: the draft reads the whole prompt
+        # the draft reads at most this many prompt pairs (0: all); by default what it was trained on, when known
+        self.window = (self.spec.trained_seq_len or 0) if options.get("draft_prompt_tokens") is None \
+            else opt_int(options, "draft_prompt_tokens", 0, lo=0)
         self.skip: List[int] = []  # per slot: prompt pairs before the draft's window (not read)
         self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of deferred pairs
         self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
