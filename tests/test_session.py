@@ -392,3 +392,36 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts' pairs waited
     # prefill_s: the prompts' reading in all, the draft's deferred part included
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
+
+
+def test_deferred_draft_prefill_reads_only_the_joining_rows():
+    """Under adaptive speculation a row's draft prefill waits for its first drafting step; when a row joins a
+    running batch, that catch-up reads the prompt over the joining row's slot only (not padded over every decode
+    row), and the tokens stay our AR's."""
+    from tests.speculative_utils import make_spec
+
+    spec = make_spec(tiny_llama(), "eagle3").eval()
+    sess = Session(spec, "eagle", options={"num_draft_tokens": 2, "ignore_eos": True}, max_batch=3)
+    sess.adaptive = ScriptedLevels([2])
+    calls, step = [], spec.draft_step
+
+    def spy(tok, feats, ctx, head=True):
+        calls.append(tuple(tok.shape))
+        return step(tok, feats, ctx, head=head)
+
+    spec.draft_step = spy
+    long_prompts = [[5, 6, 7, 5, 6], [9, 3, 9, 3, 1, 2]]
+    hs = [sess.add(p, SamplingParams(max_new_tokens=12)) for p in long_prompts]
+    for _ in range(4):
+        sess.step()
+    late = [4, 4, 8, 1, 2, 3, 4, 5, 6]
+    calls.clear()
+    hs.append(sess.add(late, SamplingParams(max_new_tokens=6)))
+    sess.step()  # the late row's target prefill (its draft prefill waits)
+    sess.step()  # its first drafting step: the prompt's 9 pairs over its slot alone
+    assert (1, len(late)) in calls and not any(r == 3 and n >= len(late) for r, n in calls), calls
+    sess.run()
+    ar = generate(spec, long_prompts + [late], SamplingParams(max_new_tokens=12), options={"ignore_eos": True})
+    for h, a in zip(hs, ar):
+        got = sess.result(h).tokens
+        assert got == a.tokens[:len(got)]

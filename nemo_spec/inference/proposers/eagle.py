@@ -206,16 +206,17 @@ class EagleProposer(SpecModelProposer):
         self._read_block(st, tok, val, feats, counts, max_length, mask, padded)
 
     def _read_block(self, st: StepState, tok: torch.Tensor, val: torch.Tensor, feats: torch.Tensor,
-                    counts: torch.Tensor, max_length: int, mask: Optional[torch.Tensor], padded: bool) -> None:
-        """:meth:`_read_pairs` on padded tokens / valid [b, K]."""
-        b = st.b
-        view = self.cache.view(0, b)
+                    counts: torch.Tensor, max_length: int, mask: Optional[torch.Tensor], padded: bool,
+                    lo: int = 0) -> None:
+        """:meth:`_read_pairs` on padded tokens / valid [m, K] of the decode rows (slots) ``lo .. lo + m``."""
+        hi = lo + tok.shape[0]
+        view = self.cache.view(lo, hi)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded,
                           unpadded=self.window == 0)
         hid, _ = self.spec.draft_step(tok, feats, ctx, head=False)  # logits: the new roots' rows only
         view.lengths += counts
         h = last_valid(hid, counts)
-        self._store_root(0, b, mask, h, self.spec.draft_logits(h))
+        self._store_root(lo, hi, mask, h, self.spec.draft_logits(h))
         st.count_draft(1)
 
     def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
@@ -235,46 +236,45 @@ class EagleProposer(SpecModelProposer):
 
     def _catch_up(self, st: StepState) -> None:
         """Draft forwards over every decode row's deferred pairs (its prompt's, then its level-0 steps'); rows that
-        had any get their new root. Pairs are read in column chunks of at most ``chunk_tokens`` tokens per forward.
+        had any get their new root. Prompt pairs are read only over the slots that have some (rows that joined
+        lately sit together at the end of the decode range), in column chunks of at most ``chunk_tokens`` tokens
+        per forward; then the level-0 steps' pairs of every row in one forward.
 
         The pairs end where the step's target cache starts (``st.lengths``): the draft cache is that many behind."""
         t0 = time.perf_counter()
         b = st.b
         steps = [len(x) for x in self.deferred_tok[:b]]
         prompt = [sum(int(t.numel()) for _, t in pp) for pp in self.prompt_pairs[:b]]
-        counts = [p + s for p, s in zip(prompt, steps)]
         dev = self.device
-        if not any(prompt):  # level-0 steps only: one forward over the step buffer
+        if any(prompt):
+            lo = next(r for r in range(b) if prompt[r])
+            hi = max(r for r in range(b) if prompt[r]) + 1
+            K = max(prompt)
+            f0 = next(f for pp in self.prompt_pairs[lo:hi] for f, _ in pp)
+            feats = f0.new_zeros(hi - lo, K, f0.shape[-1])
+            tok = torch.zeros(hi - lo, K, dtype=torch.long, device=dev)
+            for r in range(lo, hi):
+                if prompt[r]:
+                    feats[r - lo, :prompt[r]] = torch.cat([f for f, _ in self.prompt_pairs[r]])
+                    tok[r - lo, :prompt[r]] = torch.cat([t for _, t in self.prompt_pairs[r]])
+            val = torch.arange(K, device=dev)[None] < tensor(prompt[lo:hi], dev)[:, None]
+            width = max(1, self.chunk_tokens // (hi - lo))
+            for j in range(0, K, width):
+                cj = [min(max(c - j, 0), width) for c in prompt[lo:hi]]
+                before = max(ln - s - c + min(j, c) for ln, s, c in zip(st.lengths[lo:hi], steps[lo:hi], prompt[lo:hi]))
+                self._read_block(st, tok[:, j:j + width], val[:, j:j + width], self.spec.fuse(feats[:, j:j + width]),
+                                 tensor(cj, dev), before, mask=tensor([c > 0 for c in cj], dev, torch.bool),
+                                 padded=True, lo=lo)
+        pre = time.perf_counter() - t0  # the prompts' pairs: draft prefill, not level-0 work
+        if any(steps):  # the level-0 steps' pairs: one forward over the step buffer
             K = max(steps)
             self._read_pairs(st, self.deferred_tok[:b], self.spec.fuse(self.deferred_f[:b, :K]), tensor(steps, dev),
                              max(ln - c for ln, c in zip(st.lengths, steps)),
                              mask=tensor([c > 0 for c in steps], dev, torch.bool), padded=True)
-        else:
-            K = max(counts)
-            f0 = next(f for pp in self.prompt_pairs[:b] for f, _ in pp)
-            feats = f0.new_zeros(b, K, f0.shape[-1])
-            tok = torch.zeros(b, K, dtype=torch.long, device=dev)
-            for r in range(b):
-                parts_f = [f for f, _ in self.prompt_pairs[r]]
-                parts_t = [t for _, t in self.prompt_pairs[r]]
-                if steps[r]:
-                    parts_f.append(self.deferred_f[r, :steps[r]])
-                    parts_t.append(tensor(self.deferred_tok[r], dev))
-                if parts_f:
-                    feats[r, :counts[r]] = torch.cat(parts_f)
-                    tok[r, :counts[r]] = torch.cat(parts_t)
-            val = torch.arange(K, device=dev)[None] < tensor(counts, dev)[:, None]
-            width = max(1, self.chunk_tokens // b)
-            for j in range(0, K, width):
-                cj = [min(max(c - j, 0), width) for c in counts]
-                self._read_block(st, tok[:, j:j + width], val[:, j:j + width], self.spec.fuse(feats[:, j:j + width]),
-                                 tensor(cj, dev), max(ln - c + min(j, c) for ln, c in zip(st.lengths, counts)),
-                                 mask=tensor([c > 0 for c in cj], dev, torch.bool), padded=True)
         for r in range(b):
             self.deferred_tok[r] = []
             self.prompt_pairs[r] = []
         dt = time.perf_counter() - t0
-        pre = dt * sum(prompt) / max(sum(counts), 1)  # the prompts' share: draft prefill, not level-0 work
         s, k, p = self._deferred_cost
         self._deferred_cost = (s + dt - pre, k + max(steps), p + pre)
 
