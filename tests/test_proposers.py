@@ -72,36 +72,6 @@ def _eagle_reference_chain(m, seq, k, skip=0):
     return chain
 
 
-@pytest.mark.parametrize("alg", ["eagle1", "eagle3"])
-def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
-    """Every step's EAGLE chain (ragged batch, a row taking over a finished row's slot) equals the chain of plain
-    cache-free draft forwards: the drafting roots from prefill and from the catch-up after each verification,
-    whose logits the proposer computes for the root rows only."""
-    import torch
-
-    from nemo_spec.models import build_gpt
-    from nemo_spec.speculative import SpeculativeTransform
-    from tests.helpers import tiny_llama
-    from tests.inference_utils import SLOT_REUSE_ROWS, accepted_drafts, recorded_proposals, train_on_own_continuations
-    from tests.speculative_utils import perturb_draft
-
-    torch.manual_seed(0)
-    kw = {"draft_vocab_size": 64} if alg == "eagle3" else {}
-    m = SpeculativeTransform(algorithm=alg, **kw)(build_gpt(tiny_llama(num_layers=3, init_method_std=0.1)))
-    if alg == "eagle3":
-        m.set_draft_vocab(torch.arange(96, 0, -1).float())
-    # trained on the target's own continuations, so verification accepts drafts and the catch-up runs over
-    # several pairs per row
-    m = train_on_own_continuations(perturb_draft(m, 1).eval(), [p for p, _ in SLOT_REUSE_ROWS], 40)
-    K = 3
-    seen, results = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K})
-    assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
-    assert sum(accepted_drafts(r) for r in results) >= 3
-    for seqs, _, tokens in seen:
-        for r, seq in enumerate(seqs):
-            assert tokens[r].tolist() == _eagle_reference_chain(m, seq, K), seq
-
-
 def _trained_eagle(alg):
     """A tiny EAGLE draft trained on the target's own continuations of SLOT_REUSE_ROWS' prompts."""
     import torch
@@ -118,6 +88,25 @@ def _trained_eagle(alg):
     if alg == "eagle3":
         m.set_draft_vocab(torch.arange(96, 0, -1).float())
     return train_on_own_continuations(perturb_draft(m, 1).eval(), [p for p, _ in SLOT_REUSE_ROWS], 40)
+
+
+@pytest.mark.parametrize("alg", ["eagle1", "eagle3"])
+def test_eagle_chain_is_the_plain_forwards_greedy_chain(alg):
+    """Every step's EAGLE chain (ragged batch, a row taking over a finished row's slot) equals the chain of plain
+    cache-free draft forwards: the drafting roots from prefill and from the catch-up after each verification,
+    whose logits the proposer computes for the root rows only."""
+    from tests.inference_utils import SLOT_REUSE_ROWS, accepted_drafts, recorded_proposals
+
+    # trained on the target's own continuations, so verification accepts drafts and the catch-up runs over
+    # several pairs per row
+    m = _trained_eagle(alg)
+    K = 3
+    seen, results = recorded_proposals(m, "eagle", SLOT_REUSE_ROWS, {"num_draft_tokens": K})
+    assert len(seen) >= 3 and any(seq[:3] == [7, 1, 30] for seqs, _, _ in seen for seq in seqs)
+    assert sum(accepted_drafts(r) for r in results) >= 3
+    for seqs, _, tokens in seen:
+        for r, seq in enumerate(seqs):
+            assert tokens[r].tolist() == _eagle_reference_chain(m, seq, K), seq
 
 
 @pytest.mark.parametrize("extra,levels", [({}, None), ({"prefill_chunk_tokens": 2}, None),
