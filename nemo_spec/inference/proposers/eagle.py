@@ -149,29 +149,32 @@ class EagleProposer(SpecModelProposer):
             set_rows(self.root_hidden, lo, hi, mask, hid)
             set_rows(self.root_logits, lo, hi, mask, logits)
 
-    def _in_window(self, ch: PrefillChunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int], List[int]]:
+    def _in_window(self, ch: PrefillChunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int],
+                                                    torch.Tensor, List[int]]:
         """The chunk's pairs inside each row's draft window: (tokens [m, c], base features [m, c, F] before fc,
-        valid [m, c], pairs per row, draft cache length per row before them), left-aligned per row."""
+        valid [m, c], pairs per row on the host and the device, draft cache length per row before them),
+        left-aligned per row."""
         f = self.spec.base_features(ch.out)
         skips = [self.skip[ch.lo + i] if r is not None else 0 for i, r in enumerate(ch.rows)]
         drop = [min(max(s - b, 0), c) for s, b, c in zip(skips, ch.before, ch.counts)]
         lengths = [max(b, s) for b, s in zip(ch.before, skips)]
         if not any(drop):
-            return ch.next_ids, f, ch.valid, list(ch.counts), lengths
+            return ch.next_ids, f, ch.valid, list(ch.counts), ch.counts_dev, lengths
         counts = [c - d for c, d in zip(ch.counts, drop)]
         n = max(max(counts), 1)
         dev = ch.next_ids.device
         idx = (torch.arange(n, device=dev)[None] + tensor(drop, dev)[:, None]).clamp(max=ch.next_ids.shape[1] - 1)
         tok = ch.next_ids.gather(1, idx)
         f = f.gather(1, idx[:, :, None].expand(-1, -1, f.shape[-1]))
-        val = torch.arange(n, device=dev)[None] < tensor(counts, dev)[:, None]
-        return tok, f, val, counts, lengths
+        counts_dev = tensor(counts, dev)
+        val = torch.arange(n, device=dev)[None] < counts_dev[:, None]
+        return tok, f, val, counts, counts_dev, lengths
 
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk (those in the draft's window), the prompt's
         last pairing with the first new token; rows whose prompt is complete get their drafting root. Under
         adaptive speculation the pairs (base features before fc) are kept for the row's first drafting step."""
-        tok, f, val, counts, lengths = self._in_window(ch)
+        tok, f, val, counts, counts_dev, lengths = self._in_window(ch)
         if self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None:  # the pairs wait (see above)
             for i, c in enumerate(counts):
                 if c:
@@ -179,7 +182,6 @@ class EagleProposer(SpecModelProposer):
             return
         if not any(counts):  # the whole chunk lies before the rows' windows
             return
-        counts_dev = tensor(counts, tok.device)
         view = self.cache.view(ch.lo, ch.hi)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max(lengths), padded=True,
                           unpadded=self.window == 0)
