@@ -5,6 +5,8 @@ Against a running server:      python scripts/benchmark_serve.py --base-url http
 Serving a checkpoint in-process: python scripts/benchmark_serve.py --checkpoint /ckpt/model --max-batch 16 [--method eagle]
 Old batcher vs continuous batching under Poisson arrivals (in-process, same arrivals for both):
     python scripts/benchmark_serve.py --checkpoint /ckpt/model --poisson 2,4,8 --requests 32
+    ... the same rates from 16 closed-loop clients (each waits for its response, then an exponential think time):
+    python scripts/benchmark_serve.py --checkpoint /ckpt/model --poisson 2,4,8 --requests 48 --clients 16
 A 4-token request sent 0.4 s into a 250-token one (its time to first token in engine steps, per scheduler):
     python scripts/benchmark_serve.py --checkpoint /ckpt/model --late 250 4
 """
@@ -35,6 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="arrival rates (requests/s): compare the schedulers (batch vs continuous) under Poisson load")
+    p.add_argument("--clients", type=int, default=0,
+                   help="--poisson: N closed-loop clients, each sending its next request an exponential think time "
+                        "(mean N / rate) after its previous response (at most N in flight), instead of open-loop "
+                        "arrivals (0)")
     p.add_argument("--schedulers", default="batch,continuous")
     p.add_argument("--max-tokens-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                    help="--poisson: each request's max_tokens drawn uniformly from [LO, HI] (mixed lengths, the same "
@@ -77,8 +83,10 @@ def main(argv=None) -> int:
         budget = tuple(a.max_tokens_range) if a.max_tokens_range else a.max_tokens
         if a.max_tokens_range and not 1 <= a.max_tokens_range[0] <= a.max_tokens_range[1]:
             p.error(f"--max-tokens-range {a.max_tokens_range[0]} {a.max_tokens_range[1]}: need 1 <= LO <= HI")
+        if a.clients < 0:
+            p.error(f"--clients {a.clients}: need >= 0 (0: open-loop arrivals)")
         res = compare_schedulers(a.checkpoint, a.poisson, a.requests or 32, budget, a.method, a.options,
-                                 a.max_batch, a.schedulers.split(","))
+                                 a.max_batch, a.schedulers.split(","), clients=a.clients)
         print(format_poisson(res))
         if a.json:
             Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))

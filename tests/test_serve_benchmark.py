@@ -17,3 +17,37 @@ def test_late_short_request_joins_the_running_batch_only_with_the_continuous_sch
     assert cont.step_s > 0 and old.step_s > 0
     table = format_late(list(res.values()))
     assert "continuous" in table and "batch" in table
+
+
+def _max_in_flight(out) -> int:
+    """Most requests in flight at once, from their (sent at, ended at) offsets."""
+    events = sorted([(o[3], 1) for o in out] + [(o[4], -1) for o in out], key=lambda e: (e[0], e[1]))
+    most = cur = 0
+    for _, d in events:
+        cur += d
+        most = max(most, cur)
+    return most
+
+
+def test_poisson_closed_loop_clients_wait_for_their_responses(tok):
+    """--clients N: each client sends its next request only after its previous response has ended, so at most N
+    are in flight, even at a rate far above what the server decodes; the same rate open-loop sends everything at
+    once. Every request streams its drawn budget (ignore_eos) in both modes."""
+    import asyncio
+    import random
+
+    from nemo_spec.serve.benchmark import _arrivals, _poisson
+    from tests.serve_utils import live_server
+
+    budget = (6, 14)
+    with live_server(tiny_model(tok), tok, name="tiny", max_batch=8, batch_wait_ms=0.0) as srv:
+        url = srv.url + "/v1"
+        closed, _ = asyncio.run(_poisson(url, "tiny", ["the cat", "we read"], 10000.0, 8, budget, 0, clients=2))
+        opened, _ = asyncio.run(_poisson(url, "tiny", ["the cat", "we read"], 10000.0, 8, budget, 0))
+    _, drawn = _arrivals(1.0, 8, budget, random.Random(0))
+    for out in (closed, opened):
+        assert [o[0] for o in out] == drawn
+        assert all(o[3] <= o[4] for o in out)
+    assert _max_in_flight(closed) == 2
+    assert all(closed[i + 2][3] >= closed[i][4] for i in range(6))  # client i % 2: next request after the last
+    assert _max_in_flight(opened) > 2

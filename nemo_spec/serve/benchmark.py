@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -148,6 +149,7 @@ class PoissonResult:
     ttft_p99_s: float
     itl_p50_s: float
     itl_p99_s: float
+    clients: int = 0  # 0: open loop (arrivals regardless of responses); N: N closed-loop clients
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -186,28 +188,56 @@ async def _timed(client: Any, model: str, prompt: str, max_tokens: int,
     return tokens, ttft if ttft is not None else time.perf_counter() - t0, gaps
 
 
+def _arrivals(rate: float, requests: int, max_tokens: Any, rng: Any) -> Tuple[List[float], List[int]]:
+    """``requests`` exponential gaps at ``rate`` per second and their request budgets (see :func:`_poisson`)."""
+    gaps, budgets = [], []
+    for _ in range(requests):
+        gaps.append(rng.expovariate(rate))
+        budgets.append(rng.randint(*max_tokens) if isinstance(max_tokens, (tuple, list)) else int(max_tokens))
+    return gaps, budgets
+
+
 async def _poisson(base_url: str, model: str, prompts: Sequence[str], rate: float, requests: int, max_tokens: Any,
-                   seed: int) -> tuple:
-    """``requests`` streamed requests at Poisson arrival times; ``max_tokens`` an int, or (lo, hi): each request's
-    budget drawn uniformly from [lo, hi] (seeded: the same arrivals and budgets for every scheduler)."""
+                   seed: int, clients: int = 0) -> tuple:
+    """``requests`` streamed requests; ``max_tokens`` an int, or (lo, hi): each request's budget drawn uniformly
+    from [lo, hi]. Seeded: the same gaps and budgets for every scheduler.
+
+    ``clients`` = 0 (open loop): the requests arrive at Poisson times at ``rate`` per second whatever the server
+    does, so in-flight requests pile up without bound once the offered load exceeds what it decodes.
+    ``clients`` = N (closed loop): N clients, each sending its next request an exponential think time after its
+    previous response has ended (mean N / ``rate``: ``rate`` requests per second in all while responses are quick),
+    so at most N requests are in flight and a slower server is offered less; client c sends requests c, c + N, ...
+    with their own pre-drawn think times and budgets.
+
+    Returns ([(tokens, ttft, gaps, sent at, ended at) per request, seconds from the start], elapsed seconds)."""
     import random
 
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600)
-    rng = random.Random(seed)
-    delays, budgets, t = [], [], 0.0
-    for _ in range(requests):
-        t += rng.expovariate(rate)
-        delays.append(t)
-        budgets.append(rng.randint(*max_tokens) if isinstance(max_tokens, (tuple, list)) else int(max_tokens))
+    gaps, budgets = _arrivals(rate / clients if clients > 0 else rate, requests, max_tokens, random.Random(seed))
+    out: List[Any] = [None] * requests
     t0 = time.perf_counter()
 
-    async def one(i: int) -> tuple:
-        await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
-        return await _timed(client, model, prompts[i % len(prompts)], budgets[i])
+    async def sent(i: int) -> None:
+        t = time.perf_counter() - t0
+        out[i] = (*await _timed(client, model, prompts[i % len(prompts)], budgets[i]), t, time.perf_counter() - t0)
 
-    out = await asyncio.gather(*(one(i) for i in range(requests)))
+    if clients <= 0:
+        starts = list(itertools.accumulate(gaps))
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, starts[i] - (time.perf_counter() - t0)))
+            await sent(i)
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+    else:
+        async def loop(c: int) -> None:  # think time, request, think time, ...
+            for i in range(c, requests, clients):
+                await asyncio.sleep(gaps[i])
+                await sent(i)
+
+        await asyncio.gather(*(loop(c) for c in range(min(clients, requests))))
     elapsed = time.perf_counter() - t0
     await client.close()
     return out, elapsed
@@ -251,22 +281,25 @@ def _served(pool: Any, checkpoint: str, scheduler: str, method: str, options: Op
 def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0), requests: int = 32,
                        max_tokens: Any = 64, method: str = "ar", options: Optional[Dict[str, Any]] = None,
                        max_batch: int = 16, schedulers: Sequence[str] = ("batch", "continuous"),
-                       prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0) -> List[PoissonResult]:
+                       prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0,
+                       clients: int = 0) -> List[PoissonResult]:
     """Serve ``checkpoint`` in-process once per scheduler and replay the same Poisson arrivals at each rate
     (requests per second) against it; clients run in a spawned process (no GIL contention with the server).
-    ``max_tokens``: every request's budget, or (lo, hi) to draw each one uniformly (mixed lengths)."""
+    ``max_tokens``: every request's budget, or (lo, hi) to draw each one uniformly (mixed lengths).
+    ``clients``: 0 for open-loop arrivals, N for N closed-loop clients (see :func:`_poisson`)."""
     results: List[PoissonResult] = []
     with _client_pool() as pool:
         for sched in schedulers:
             with _served(pool, checkpoint, sched, method, options, max_batch, prompts, max(64, 2 * requests)) as url:
                 for rate in rates:
                     out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
-                                               max_tokens, seed).result()
+                                               max_tokens, seed, clients).result()
                     toks = sum(o[0] for o in out)
                     ttft = [o[1] for o in out]
                     gaps = [g for o in out for g in o[2]]
                     results.append(PoissonResult(sched, float(rate), requests, toks, elapsed, toks / elapsed,
-                                                 _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99)))
+                                                 _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99),
+                                                 clients))
                     log.info("%s at %.1f req/s: %.1f tok/s, ttft p50 %.3fs p99 %.3fs", sched, rate,
                              results[-1].tokens_per_s, results[-1].ttft_p50_s, results[-1].ttft_p99_s)
     return results
@@ -274,7 +307,9 @@ def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0)
 
 def format_poisson(results: Sequence[PoissonResult]) -> str:
     """Side-by-side table: every scheduler per rate, with continuous/batch ratios."""
-    rows = ["scheduler   rate  tok/s   ttft_p50  ttft_p99  itl_p50  itl_p99"]
+    loops = sorted({r.clients for r in results})
+    rows = [f"arrivals: {', '.join(f'{c} closed-loop clients' if c else 'open loop' for c in loops)}",
+            "scheduler   rate  tok/s   ttft_p50  ttft_p99  itl_p50  itl_p99"]
     for r in results:
         rows.append(f"{r.scheduler:<10} {r.rate:>5.1f} {r.tokens_per_s:>7.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
                     f"{r.itl_p50_s:>8.4f} {r.itl_p99_s:>8.4f}")
