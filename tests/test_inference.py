@@ -503,19 +503,22 @@ def test_benchmark_adaptive_rows_with_the_stepwise_draft_catch_up_side_by_side(l
 
 
 def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
-    """benchmark(draft_prompt_tokens=[W]): the EAGLE methods run once more with the draft reading each prompt's last
-    W tokens (<method>+dpt=W, and +adaptive+dpt=W with adaptive), every row our AR tokens, the option recorded;
-    the CLI flag reaches it."""
+    """benchmark(draft_prompt_tokens=[W]): the EAGLE and P-EAGLE methods (an extra model's too) run once more with
+    the draft reading each prompt's last W tokens (<method>+dpt=W, and +adaptive+dpt=W with adaptive), DFlash not;
+    every row our AR tokens, the option recorded; the CLI flag reaches it."""
     from nemo_spec.inference import benchmark as bench
 
     m, _ = llama
     spec = _spec(m, "eagle3")
     res = bench.benchmark(spec, PROMPTS, methods=["eagle", "eagle_tree"], batch_sizes=(2,), max_new_tokens=6, hf=False,
-                          repeats=1, options=OPTS, adaptive=True, draft_prompt_tokens=[3])
+                          repeats=1, options=OPTS, adaptive=True, draft_prompt_tokens=[3],
+                          extra_models=[_spec(m, "peagle"), _spec(m, "dflash")])
     got = {r["method"]: r for r in res["rows"]}
     assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+dpt=3", "eagle+adaptive+dpt=3", "eagle_tree",
-                        "eagle_tree+adaptive", "eagle_tree+dpt=3", "eagle_tree+adaptive+dpt=3"}
+                        "eagle_tree+adaptive", "eagle_tree+dpt=3", "eagle_tree+adaptive+dpt=3", "peagle",
+                        "peagle+dpt=3", "peagle_tree", "peagle_tree+dpt=3", "dflash", "dflash_tree"}
     assert got["eagle+dpt=3"]["options"]["draft_prompt_tokens"] == 3 and res["config"]["draft_prompt_tokens"] == [3]
+    assert got["peagle_tree+dpt=3"]["options"]["draft_prompt_tokens"] == 3
     assert got["eagle_tree+adaptive+dpt=3"]["options"]["adaptive"] is True
     assert "draft_prompt_tokens" not in got["eagle"]["options"]
     assert all(r["matches_ar"] == 1.0 and r["prefill_s"] > 0 for r in res["rows"])

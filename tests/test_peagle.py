@@ -94,15 +94,16 @@ def test_attention_mask_is_the_reference_rule():
 
 
 # ---- training-time elements are the drafting forward's outputs --------------------------------------------------
-def _drafting_logits(m, ids, t, d):
-    """Logits of one plain causal draft forward over pairs 0..t and d mask slots (what drafting runs)."""
+def _drafting_logits(m, ids, t, d, skip=0):
+    """Logits of one plain causal draft forward over pairs skip..t and d mask slots (what drafting runs; the base
+    still reads the whole sequence, the draft's positions count from pair ``skip``)."""
     with torch.no_grad():
         out = m.base_forward(ids[:, : t + 1])
-        feats = m.fuse(m.base_features(out))
+        feats = m.fuse(m.base_features(out))[:, skip:]
         mf = m.eagle_module.mask_feature()
-        tok = torch.cat([ids[:, 1: t + 2], torch.full((1, d), m.eagle_module.mask_token_id)], 1)
+        tok = torch.cat([ids[:, 1 + skip: t + 2], torch.full((1, d), m.eagle_module.mask_token_id)], 1)
         feat = torch.cat([feats, mf[None, None].expand(1, d, -1)], 1)
-        ctx = AttnContext(position_ids=torch.arange(t + 1 + d)[None])
+        ctx = AttnContext(position_ids=torch.arange(t + 1 - skip + d)[None])
         return m.draft_step(tok, feat, ctx)[1][0, -1]
 
 
@@ -159,6 +160,47 @@ def test_proposer_drafts_what_the_one_forward_predicts():
             ids = torch.tensor([seq])
             want = [int(ids_of[_drafting_logits(m, ids, len(seq) - 2, d).argmax()]) for d in range(K)]
             assert tokens[r].tolist() == want, (seq, tokens[r].tolist(), want)
+
+
+@pytest.mark.parametrize("extra", [{}, {"prefill_chunk_tokens": 2}, {"prefill_chunk_tokens": 3, "max_batch": 3}],
+                         ids=["one-chunk", "chunked", "chunked-3-slots"])
+def test_draft_prompt_window_reads_only_the_last_prompt_pairs(extra):
+    """draft_prompt_tokens=W: every step's chain is the argmax of the plain forward over the prompt's last W pairs
+    (plus every generated one), positions counted from the window — with the prompt read in one chunk or in chunks
+    that fall wholly before the window or straddle it, and a row taking over a finished row's slot; greedy output
+    == AR; a window covering every prompt gives the proposals of no window; by default the window is the draft's
+    recorded training length."""
+    from nemo_spec.inference import generate
+    from nemo_spec.inference.sampling import SamplingParams
+
+    m = train_on_own_continuations(_model(seed=2), [p for p, _ in SLOT_REUSE_ROWS], 60)
+    K, W = 3, 2
+    prompts = [p for p, _ in SLOT_REUSE_ROWS]
+    opts = {"num_draft_tokens": K, "draft_prompt_tokens": W, **extra}
+    mb = opts.pop("max_batch", 2)
+    seen, results = recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, opts, max_batch=mb)
+    ids_of = m.draft_vocab_ids()
+    checked = 0
+    for seqs, _, tokens in seen:
+        for r, seq in enumerate(seqs):
+            prompt = next(p for p in prompts if seq[:len(p)] == p)
+            skip = max(0, len(prompt) - W)
+            ids = torch.tensor([seq])
+            want = [int(ids_of[_drafting_logits(m, ids, len(seq) - 2, d, skip).argmax()]) for d in range(K)]
+            assert tokens[r].tolist() == want, (seq, tokens[r].tolist(), want)
+            checked += int(skip > 0)
+    assert checked >= 3
+    ar = generate(m, prompts, SamplingParams(max_new_tokens=8), method="ar")
+    for res, ref, (_, n) in zip(results, ar, SLOT_REUSE_ROWS):
+        assert res.tokens == ref.tokens[:n]
+
+    def chains(o):
+        return [t.tolist() for _, _, t in recorded_proposals(m, "peagle", SLOT_REUSE_ROWS, o, max_batch=mb)[0]]
+
+    whole = chains({**opts, "draft_prompt_tokens": 0})
+    assert chains({**opts, "draft_prompt_tokens": 6}) == whole != [t.tolist() for _, _, t in seen]
+    m.trained_seq_len = W
+    assert chains({k: v for k, v in opts.items() if k != "draft_prompt_tokens"}) == [t.tolist() for _, _, t in seen]
 
 
 def test_tree_proposer_places_the_one_forwards_top_k_on_the_static_tree():

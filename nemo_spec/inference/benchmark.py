@@ -106,6 +106,8 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
 
 #: how our rows batch the prompts (``run_ours``): consecutive fixed batches, or one continuous-batching session
 SCHEDULES = ("fixed", "continuous")
+#: methods whose draft takes option draft_prompt_tokens (benchmark --draft-prompt-tokens adds their +dpt=N rows)
+WINDOWED = ("eagle", "eagle_tree", "peagle", "peagle_tree")
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -174,7 +176,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     with ``eager_catchup`` too, the EAGLE methods also run adaptive with their draft caught up after every step
     (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay a draft forward, as before the
     deferred catch-up);
-    each of ``draft_prompt_tokens`` (W) runs the EAGLE methods once more with the draft reading only each prompt's
+    each of ``draft_prompt_tokens`` (W) runs the EAGLE and P-EAGLE methods (extra models' too) once more with the draft reading only each prompt's
     last W pairs (``<method>+dpt=W`` rows, and ``<method>+adaptive+dpt=W`` with ``adaptive``);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
     ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method of the
@@ -219,7 +221,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive+stepwise batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive+stepwise", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
-            for w in (draft_prompt_tokens if m in ("eagle", "eagle_tree") else ()):
+            for w in (draft_prompt_tokens if m in WINDOWED else ()):
                 for ad in ((False, True) if adaptive else (False,)):
                     label = f"{m}{'+adaptive' if ad else ''}+dpt={w}"
                     jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
@@ -249,6 +251,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             for b in batch_sizes:
                 jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
                     _relabel, label, ours, extra, prompts, m, b, max_new_tokens, None, opts)))
+                for w in (draft_prompt_tokens if m in WINDOWED else ()):
+                    jobs.append((f"nemo_spec {label}+dpt={w} batch {b}", functools.partial(
+                        _relabel, f"{label}+dpt={w}", ours, extra, prompts, m, b, max_new_tokens, None,
+                        {**(opts or {}), "draft_prompt_tokens": int(w)})))
     pretune_s = pretune_models([model, draft_model, *extra_models], gemm_modes)
     with contextlib.ExitStack() as stack:
         if hf:
@@ -666,7 +672,7 @@ def build_parser():
                    help="with --adaptive: EAGLE methods also run with the draft caught up after every step "
                         "(<method>+adaptive+stepwise rows, lazy_draft_steps=0) next to the deferred catch-up")
     p.add_argument("--draft-prompt-tokens", type=int, nargs="+", default=[],
-                   help="also run the EAGLE methods with the draft reading only each prompt's last N tokens "
+                   help="also run the EAGLE and P-EAGLE methods with the draft reading only each prompt's last N tokens "
                         "(<method>+dpt=N rows; option draft_prompt_tokens) next to the whole prompt")
     p.add_argument("--compile", nargs="?", const="default", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],

@@ -197,3 +197,60 @@ class ParallelLevels:
     def level_nodes(self, level: Optional[int]) -> int:
         """Draft nodes at ``level`` (None: the top one)."""
         return self.levels[level_index(self.levels, level)]
+
+
+class PromptWindow:
+    """The draft reads only the last ``window`` (option ``draft_prompt_tokens``) of a prompt's (feature, token)
+    pairs; 0 = the whole prompt. The default is the sequence length the draft was trained on when its checkpoint
+    records it (``SpeculativeGPT.trained_seq_len``), else the whole prompt. A slot's draft cache starts at the first
+    pair it reads (``starts`` = ``lengths`` = the pairs skipped), so positions count from the window's start, as in
+    training, and cache lengths keep the target's meaning. For proposers whose draft keeps (feature, token) pairs in
+    a cache of the target's layout (EAGLE-1/3, P-EAGLE)."""
+
+    spec: Any
+    cache: Any
+
+    def init_window(self, options: Dict[str, Any]) -> None:
+        """Read the option (validated) or the draft's training length."""
+        self.window = (self.spec.trained_seq_len or 0) if options.get("draft_prompt_tokens") is None \
+            else opt_int(options, "draft_prompt_tokens", 0, lo=0)
+        self.skip: List[int] = []  # per slot: prompt pairs before the draft's window (not read)
+
+    @property
+    def unpadded(self) -> bool:
+        """No slot's draft cache starts after entry 0 (see :func:`chain_block`)."""
+        return self.window == 0
+
+    def window_setup(self, slots: int) -> None:
+        """Per-slot skips for a new session."""
+        self.skip = [0] * slots
+
+    def window_admit(self, slot: int, prompt: List[int]) -> None:
+        """The slot's draft cache row starts at the window of ``prompt`` (empty)."""
+        skip = max(0, len(prompt) - self.window) if self.window else 0
+        self.skip[slot] = skip
+        self.cache.lengths[slot] = skip
+        self.cache.starts[slot] = skip
+
+    def window_swap(self, i: int, j: int) -> None:
+        """Exchange two slots' skips (their cache rows are swapped by the caller)."""
+        self.skip[i], self.skip[j] = self.skip[j], self.skip[i]
+
+    def window_pairs(self, ch: Any, f: torch.Tensor) -> "tuple":
+        """A prefill chunk's pairs inside each row's window, left-aligned per row: (tokens [m, c], features f
+        [m, c, F] gathered alike, valid [m, c], pairs per row on the host and the device, draft cache length per
+        row before them). Unchanged tensors when no row drops any."""
+        skips = [self.skip[ch.lo + i] if r is not None else 0 for i, r in enumerate(ch.rows)]
+        drop = [min(max(s - b, 0), c) for s, b, c in zip(skips, ch.before, ch.counts)]
+        lengths = [max(b, s) for b, s in zip(ch.before, skips)]
+        if not any(drop):
+            return ch.next_ids, f, ch.valid, list(ch.counts), ch.counts_dev, lengths
+        counts = [c - d for c, d in zip(ch.counts, drop)]
+        n = max(max(counts), 1)
+        dev = ch.next_ids.device
+        idx = (torch.arange(n, device=dev)[None] + tensor(drop, dev)[:, None]).clamp(max=ch.next_ids.shape[1] - 1)
+        tok = ch.next_ids.gather(1, idx)
+        f = f.gather(1, idx[:, :, None].expand(-1, -1, f.shape[-1]))
+        counts_dev = tensor(counts, dev)
+        val = torch.arange(n, device=dev)[None] < counts_dev[:, None]
+        return tok, f, val, counts, counts_dev, lengths

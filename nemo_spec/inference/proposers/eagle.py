@@ -24,8 +24,8 @@ import torch
 from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import (DEFAULT_SCORE_TEMPERATURE, chain_block, chain_levels, choose,
-                                                  last_valid, level_index, opt_float, opt_int, set_rows,
+from nemo_spec.inference.proposers.common import (DEFAULT_SCORE_TEMPERATURE, PromptWindow, chain_block, chain_levels,
+                                                  choose, last_valid, level_index, opt_float, opt_int, set_rows,
                                                   stack_q, swap_rows)
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
@@ -35,7 +35,7 @@ from nemo_spec.inference.trees import block_context, pad_chains, select_tree
 DEFAULT_LAZY_DRAFT_STEPS = 32
 
 
-class EagleProposer(SpecModelProposer):
+class EagleProposer(PromptWindow, SpecModelProposer):
     """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
 
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
@@ -66,10 +66,7 @@ class EagleProposer(SpecModelProposer):
         self.root_hidden: Optional[torch.Tensor] = None
         self.root_logits: Optional[torch.Tensor] = None
         self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
-        # the draft reads at most this many prompt pairs (0: all); by default what it was trained on, when known
-        self.window = (self.spec.trained_seq_len or 0) if options.get("draft_prompt_tokens") is None \
-            else opt_int(options, "draft_prompt_tokens", 0, lo=0)
-        self.skip: List[int] = []  # per slot: prompt pairs before the draft's window (not read)
+        self.init_window(options)  # the draft reads at most this many prompt pairs (0: all)
         self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of deferred pairs
         self.deferred_tok: List[List[int]] = []  # per slot: the tokens of its deferred pairs
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the catch-up
@@ -119,16 +116,13 @@ class EagleProposer(SpecModelProposer):
         self._deferring = False
         self._deferred_cost = (0.0, 0, 0.0)
         self.prompt_pairs = [[] for _ in range(sess.slots)]
-        self.skip = [0] * sess.slots
+        self.window_setup(sess.slots)
         self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))
         self.device = sess.device
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's draft cache row (it starts at the draft's window of the prompt)."""
-        skip = max(0, len(row.prompt) - self.window) if self.window else 0
-        self.skip[slot] = skip
-        self.cache.lengths[slot] = skip
-        self.cache.starts[slot] = skip
+        self.window_admit(slot, row.prompt)
         self.deferred_tok[slot] = []
         self.prompt_pairs[slot] = []
 
@@ -149,32 +143,11 @@ class EagleProposer(SpecModelProposer):
             set_rows(self.root_hidden, lo, hi, mask, hid)
             set_rows(self.root_logits, lo, hi, mask, logits)
 
-    def _in_window(self, ch: PrefillChunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int],
-                                                    torch.Tensor, List[int]]:
-        """The chunk's pairs inside each row's draft window: (tokens [m, c], base features [m, c, F] before fc,
-        valid [m, c], pairs per row on the host and the device, draft cache length per row before them),
-        left-aligned per row."""
-        f = self.spec.base_features(ch.out)
-        skips = [self.skip[ch.lo + i] if r is not None else 0 for i, r in enumerate(ch.rows)]
-        drop = [min(max(s - b, 0), c) for s, b, c in zip(skips, ch.before, ch.counts)]
-        lengths = [max(b, s) for b, s in zip(ch.before, skips)]
-        if not any(drop):
-            return ch.next_ids, f, ch.valid, list(ch.counts), ch.counts_dev, lengths
-        counts = [c - d for c, d in zip(ch.counts, drop)]
-        n = max(max(counts), 1)
-        dev = ch.next_ids.device
-        idx = (torch.arange(n, device=dev)[None] + tensor(drop, dev)[:, None]).clamp(max=ch.next_ids.shape[1] - 1)
-        tok = ch.next_ids.gather(1, idx)
-        f = f.gather(1, idx[:, :, None].expand(-1, -1, f.shape[-1]))
-        counts_dev = tensor(counts, dev)
-        val = torch.arange(n, device=dev)[None] < counts_dev[:, None]
-        return tok, f, val, counts, counts_dev, lengths
-
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
         """Draft prefill: pairs (feature_t, token_{t+1}) over the chunk (those in the draft's window), the prompt's
         last pairing with the first new token; rows whose prompt is complete get their drafting root. Under
         adaptive speculation the pairs (base features before fc) are kept for the row's first drafting step."""
-        tok, f, val, counts, counts_dev, lengths = self._in_window(ch)
+        tok, f, val, counts, counts_dev, lengths = self.window_pairs(ch, self.spec.base_features(ch.out))
         if self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None:  # the pairs wait (see above)
             for i, c in enumerate(counts):
                 if c:
@@ -184,7 +157,7 @@ class EagleProposer(SpecModelProposer):
             return
         view = self.cache.view(ch.lo, ch.hi)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max(lengths), padded=True,
-                          unpadded=self.window == 0)
+                          unpadded=self.unpadded)
         hid, _ = self.spec.draft_step(tok, self.spec.fuse(f), ctx, head=False)  # logits: the roots' rows only
         view.lengths += counts_dev
         if any(ch.final):
@@ -214,7 +187,7 @@ class EagleProposer(SpecModelProposer):
         hi = lo + tok.shape[0]
         view = self.cache.view(lo, hi)
         ctx = chain_block(view, tok, val, self.max_pos, max_length=max_length, padded=padded,
-                          unpadded=self.window == 0)
+                          unpadded=self.unpadded)
         hid, _ = self.spec.draft_step(tok, feats, ctx, head=False)  # logits: the new roots' rows only
         view.lengths += counts
         h = last_valid(hid, counts)
@@ -288,7 +261,7 @@ class EagleProposer(SpecModelProposer):
         swap_rows(self.deferred_f, i, j)
         self.deferred_tok[i], self.deferred_tok[j] = self.deferred_tok[j], self.deferred_tok[i]
         self.prompt_pairs[i], self.prompt_pairs[j] = self.prompt_pairs[j], self.prompt_pairs[i]
-        self.skip[i], self.skip[j] = self.skip[j], self.skip[i]
+        self.window_swap(i, j)
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""

@@ -9,7 +9,8 @@ pair's output gives draft token 1, mask slot d gives token d+1. The pairs become
 uncommitted (the next block overwrites them). Each slot's next block lives in a persistent buffer whose entries
 past the pending pairs always hold the mask slot (reset after every forward and on admission), so a step builds
 no input tensors: the forward reads the buffer's first ``pending + K - 1`` entries as they are, and the draft
-head runs on the K rows that draft only.
+head runs on the K rows that draft only. With ``draft_prompt_tokens`` the draft reads only a prompt's last pairs
+(:class:`~.common.PromptWindow`; by default the length it was trained on, when its checkpoint records it).
 
 Each drafted token is drawn from its own distribution q_d (which does not depend on the tokens drafted before
 it); verification by the shared rejection rule is lossless for any such q (speculative sampling needs only
@@ -31,14 +32,15 @@ from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import ParallelLevels, chain_block, choose, opt_int, stack_q, swap_rows
+from nemo_spec.inference.proposers.common import (ParallelLevels, PromptWindow, chain_block, choose, opt_int, stack_q,
+                                                  swap_rows)
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import pad_chains
 
 log = logging.getLogger(__name__)
 
 
-class PEagleProposer(ParallelLevels, SpecModelProposer):
+class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
     """Parallel drafting with a P-EAGLE draft: a chain of up to ``num_draft_tokens`` tokens per forward."""
 
     name = "peagle"
@@ -65,6 +67,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         self.blk_tok: Optional[torch.Tensor] = None  # [slots, width]: pending tokens, then mask_token_id
         self.mask_feat: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
+        self.init_window(options)  # the draft reads at most this many prompt pairs (0: all)
 
     def draft_forwards(self, level: int) -> int:
         """One forward per step, whatever the level (level 0 still catches the draft up)."""
@@ -78,6 +81,7 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         self.slots = sess.slots
         self.blk_feat = self.blk_tok = self.mask_feat = None
         self.pend_n = [0] * sess.slots
+        self.window_setup(sess.slots)
 
     def _ensure_blocks(self, h: int, dtype: torch.dtype, dev: torch.device) -> None:
         """The per-slot block buffers, all mask slots; fc(mask_hidden) evaluated once (the draft is frozen while
@@ -94,9 +98,8 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         self.blk_tok[rows, :n] = self.mask_token_id
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
-        """Empty the slot's draft cache row and pending pairs."""
-        self.cache.lengths[slot] = 0
-        self.cache.starts[slot] = 0
+        """Empty the slot's draft cache row (it starts at the draft's window of the prompt) and pending pairs."""
+        self.window_admit(slot, row.prompt)
         self.pend_n[slot] = 0
         if self.blk_feat is not None:  # a previous occupant may have left pending pairs in the block
             self._reset_blocks(slice(slot, slot + 1), self.width)
@@ -111,30 +114,31 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
         swap_rows(self.blk_feat, i, j)
         swap_rows(self.blk_tok, i, j)
         self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
+        self.window_swap(i, j)
 
     # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
-        """Draft prefill over the chunk's pairs; a completed prompt's last pair (with the first generated token)
-        is kept pending: it anchors the first drafted block."""
-        feats = self.features(ch.out)
-        dev = feats.device
-        self._ensure_blocks(feats.shape[-1], feats.dtype, dev)
-        m = ch.hi - ch.lo
-        final_h = [bool(f) and c > 0 for f, c in zip(ch.final, ch.counts)]
-        run = [c - int(f) for c, f in zip(ch.counts, final_h)]
-        n = ch.tokens.shape[1]
-        valid = torch.arange(n, device=dev)[None] < tensor(run, dev)[:, None]
+        """Draft prefill over the chunk's pairs (those in the draft's window); a completed prompt's last pair (with
+        the first generated token) is kept pending: it anchors the first drafted block."""
+        f = self.features(ch.out)
+        dev = f.device
+        self._ensure_blocks(f.shape[-1], f.dtype, dev)
+        tok, feats, _, counts, _, lengths = self.window_pairs(ch, f)
+        final_h = [bool(fin) and c > 0 for fin, c in zip(ch.final, counts)]
+        run = [c - int(fin) for c, fin in zip(counts, final_h)]
+        valid = torch.arange(tok.shape[1], device=dev)[None] < tensor(run, dev)[:, None]
         view = self.cache.view(ch.lo, ch.hi)
         if max(run) > 0:
-            ctx = chain_block(view, ch.next_ids, valid, self.max_pos, max_length=max(ch.before), padded=True)
-            self.spec.draft_step(ch.next_ids, feats, ctx, head=False)
+            ctx = chain_block(view, tok, valid, self.max_pos, max_length=max(lengths), padded=True,
+                              unpadded=self.unpadded)
+            self.spec.draft_step(tok, feats, ctx, head=False)
             view.lengths += tensor(run, dev)
-        for i in range(m):
-            if final_h[i]:
+        for i, fin in enumerate(final_h):
+            if fin:
                 s = ch.lo + i
-                last = ch.counts[i] - 1
+                last = counts[i] - 1
                 self.blk_feat[s, 0] = feats[i, last]
-                self.blk_tok[s, 0] = ch.next_ids[i, last]
+                self.blk_tok[s, 0] = tok[i, last]
                 self.pend_n[s] = 1
         ch.count_draft(1)
 
@@ -168,8 +172,8 @@ class PEagleProposer(ParallelLevels, SpecModelProposer):
                  else torch.ones(b, width, dtype=torch.bool, device=dev))
         tok, feat = self.blk_tok[:b, :width], self.blk_feat[:b, :width]
         view = self.cache.view(0, b)
-        ctx = chain_block(view, tok, valid, self.max_pos,
-                           max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
+        ctx = chain_block(view, tok, valid, self.max_pos, unpadded=self.unpadded,
+                          max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
         hid, _ = self.spec.draft_step(tok, feat, ctx, head=False)
         view.lengths += npend
         self._reset_blocks(slice(0, b), width)
