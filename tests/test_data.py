@@ -152,9 +152,10 @@ def test_datamodule_reads_real_file_split_and_batches(tok, tmp_path):
                                      tok.convert_ids_to_tokens(p)[-1].endswith("t") for p in prompts)
 
 
-def test_validation_smaller_than_dp_is_refused_under_expert_parallelism(tok, tmp_path, monkeypatch):
-    """4 validation samples over 8 DP ranks leave ranks without a batch: fine for dense models (the val loader
-    does not drop them), a hang in the MoE dispatcher's collectives at EP > 1, so refused there by name."""
+def test_validation_smaller_than_dp_is_refused(tok, tmp_path, monkeypatch):
+    """4 validation samples over 8 DP ranks leave ranks without a batch, which would hang the others in the
+    validation metrics' average over the DP ranks (and in the MoE dispatcher's collectives at EP > 1): refused by
+    name, dense or MoE; 4 ranks each get a batch."""
     from nemo_spec import parallel
     from nemo_spec.config import ConfigError
     from nemo_spec.data import datamodule
@@ -162,11 +163,13 @@ def test_validation_smaller_than_dp_is_refused_under_expert_parallelism(tok, tmp
     path = write_daring_anteater(synthetic_chats(40), tmp_path / "train.jsonl")
     cfg = DataConfig(path=str(path), format="daring_anteater", max_seq_len=64, val_fraction=0.1, seed=7)
     dm = SpecDataModule(cfg, tok, micro_batch_size=1)
-    monkeypatch.setattr(datamodule, "data_parallel_rank_size", lambda: (0, 8))
-    assert len(list(dm.val_dataloader())) == 1  # EP=1: rank 0 takes one of the 4 samples
-    monkeypatch.setattr(parallel, "ep_size", lambda: 2)
-    with pytest.raises(ConfigError, match="validation split has 4 samples, fewer than the 8 data-parallel ranks"):
-        dm.val_dataloader()
+    monkeypatch.setattr(datamodule, "data_parallel_rank_size", lambda: (3, 4))
+    assert len(list(dm.val_dataloader())) == 1  # rank 3 of 4 takes one of the 4 samples
+    for ep in (1, 2):
+        monkeypatch.setattr(parallel, "ep_size", lambda ep=ep: ep)
+        monkeypatch.setattr(datamodule, "data_parallel_rank_size", lambda: (0, 8))
+        with pytest.raises(ConfigError, match="validation split has 4 samples, fewer than the 8 data-parallel ranks"):
+            dm.val_dataloader()
 
 
 def test_split_is_seeded_and_disjoint():

@@ -243,15 +243,14 @@ class SpecDataModule(pl.LightningDataModule):
         if not len(self.val_set):
             return []
         rank, size = data_parallel_rank_size()
-        from nemo_spec import parallel
-
-        if len(self.val_set) < size and parallel.ep_size() > 1:
-            # ranks without a validation batch would leave the others waiting in the MoE dispatcher's collectives
+        if len(self.val_set) < size:
+            # a rank without a validation batch would leave the others waiting in the metrics' average over the
+            # data-parallel ranks (and in the MoE dispatcher's collectives under expert parallelism)
             from nemo_spec.config import ConfigError
 
             raise ConfigError(f"the validation split has {len(self.val_set)} samples, fewer than the {size} data-"
-                              "parallel ranks; under expert parallelism every rank must run each validation step: "
-                              "raise data.val_fraction / data.val_max_samples, or set data.val_fraction=0")
+                              "parallel ranks; every rank must run each validation step: raise data.val_fraction / "
+                              "data.val_max_samples, or set data.val_fraction=0")
         sampler = DataParallelBatchSampler(len(self.val_set), min(self.micro_batch_size, len(self.val_set)),
                                            rank, size, shuffle=False, drop_last=len(self.val_set) >= size)
         return DataLoader(self.val_set, batch_sampler=sampler, collate_fn=self._collate,

@@ -70,7 +70,7 @@ class AcceptanceLengthCallback(pl.Callback):
         tau = self._measure(trainer, pl_module)
         if tau is None:
             return
-        pl_module.log("val_tau", torch.tensor(tau), prog_bar=True, batch_size=1)
+        pl_module.log("val_tau", torch.tensor(tau), prog_bar=True, batch_size=1, sync_dist=True)  # same on every rank
         alg = getattr(pl_module.model, "algorithm", None)
         how = f"chain depth {self.depth}" if alg in ("eagle1", "eagle3") else f"{alg}: every trained draft slot"
         log.info("step %d: acceptance length tau=%.3f (%s)", trainer.global_step, tau, how)

@@ -235,6 +235,8 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     with warnings.catch_warnings():
         # The data position is restored by SpeculativeLightningModule (sampler skip), not by Lightning.
         warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
+        # The frozen base runs in eval mode on purpose (no dropout in the features the draft learns from).
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     final = None
     if save_final:

@@ -99,6 +99,15 @@ class MegatronStrategy(SingleDeviceStrategy):
         return self.global_rank == 0
 
     @property
+    def is_distributed(self) -> bool:
+        """What Lightning asks before it syncs a metric logged with ``sync_dist=True`` (a strategy that is not one of
+        its own distributed ones is asked for this property; without it, ``sync_dist`` is dropped). True once
+        torch.distributed is up: epoch-level validation metrics, each DP rank's over its own share of the data, are
+        then averaged over the data-parallel group by :meth:`reduce` (nothing to average in one process). Lightning
+        injects no sampler (the Trainer runs with ``use_distributed_sampler=False``)."""
+        return dist.is_initialized()
+
+    @property
     def distributed(self) -> bool:
         """Whether more than one process takes part."""
         return dist.is_initialized() and dist.get_world_size() > 1

@@ -81,13 +81,17 @@ def main():
     writers = {f.name.split("_")[2] for f in dp2_ckpt.glob("__*.distcp")}
     assert writers == {"0"}, f"DP replicas wrote duplicate shards: {sorted(writers)}"  # DP rank 1 holds replicas only
 
-    # ---- TP=1 x DP=2: micro-batch 2 per rank, global batch 4 ----
-    c = small_train_config(out / "dp2", "eagle3", steps=3, global_batch_size=4)
+    # ---- TP=1 x DP=2: micro-batch 2 per rank, global batch 4; a validation at step 3 ----
+    c = small_train_config(out / "dp2", "eagle3", steps=3, global_batch_size=4, val_check_interval=3)
     c.trainer.train_bs = 2
     c.model_path, c.data.path = model_path, data
     r3 = train(c, save_final=False)
     assert ps.get_data_parallel_world_size() == 2 and ps.get_tensor_model_parallel_world_size() == 1
     dp_group = ps.get_data_parallel_group()
+    # each DP rank validates its own share; the logged epoch metrics are their average, the same on both ranks
+    val = r3.trainer.callback_metrics
+    for k in ("val_loss", "val_acc_step0"):
+        assert same_across_ranks(dp_group, val[k].reshape(1).float()), f"{k} differs across DP ranks: {float(val[k])}"
     state = r3.module.trainable_state_dict()
     for k, v in state.items():
         assert same_across_ranks(dp_group, v.detach().float()), f"{k} differs across DP ranks"
