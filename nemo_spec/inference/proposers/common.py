@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -225,7 +225,7 @@ class PromptWindow:
         """Per-slot skips for a new session."""
         self.skip = [0] * slots
 
-    def window_admit(self, slot: int, prompt: List[int]) -> None:
+    def window_admit(self, slot: int, prompt: Sequence[int]) -> None:
         """The slot's draft cache row starts at the window of ``prompt`` (empty)."""
         skip = max(0, len(prompt) - self.window) if self.window else 0
         self.skip[slot] = skip
@@ -236,7 +236,8 @@ class PromptWindow:
         """Exchange two slots' skips (their cache rows are swapped by the caller)."""
         self.skip[i], self.skip[j] = self.skip[j], self.skip[i]
 
-    def window_pairs(self, ch: Any, f: torch.Tensor) -> "tuple":
+    def window_pairs(self, ch: Any, f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int],
+                                                            torch.Tensor, List[int]]:
         """A prefill chunk's pairs inside each row's window, left-aligned per row: (tokens [m, c], features f
         [m, c, F] gathered alike, valid [m, c], pairs per row on the host and the device, draft cache length per
         row before them). Unchanged tensors when no row drops any."""
