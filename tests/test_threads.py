@@ -81,6 +81,37 @@ def test_serial_helper_threads_sets_one_thread_and_restores_nested():
         torch.set_num_threads(n)
 
 
+def test_row_counts_beyond_a_pretune_run_f_linear_instead_of_pausing_to_time_them(monkeypatch):
+    """After pretune(module, N) a forward of more than N rows (a prefill chunk of short prompts on a server that
+    timed its decode steps' counts) runs F.linear and times nothing (measured on SmolLM2: a 1.5-2 s pause of the
+    running batch per new count); counts up to N keep their timed kernels; with no pretune (or pretune_rows 0) a
+    new count is still timed at first use."""
+    from nemo_spec.inference import generate
+    from nemo_spec.inference.sampling import SamplingParams
+    from nemo_spec.models import build_gpt, fastpath
+    from tests.helpers import tiny_llama
+
+    monkeypatch.setattr(fastpath, "SMALL_GEMM", "auto")  # the test suite pins the fixed rule
+    torch.manual_seed(0)
+    m = build_gpt(tiny_llama(num_layers=2)).eval()
+    w = m.decoder.layers[0].mlp.linear_fc1.weight
+    assert fastpath.pretune(m, 2) > 0 and timed_rows(m) == {1, 2}
+    timings, real_tune = [], fastpath.tune
+
+    def tune(group, rows, **kw):
+        timings.append(rows)
+        real_tune(group, rows, **kw)
+
+    monkeypatch.setattr(fastpath, "tune", tune)
+    assert fastpath.kernel(w, 7) == ("linear", 7) and fastpath.kernel(w, 2) in fastpath.candidates(2, w)
+    generate(m, [[5, 9, 11, 3, 5, 9, 2, 8], [4, 4, 6]], SamplingParams(max_new_tokens=3))  # prefill: 11 rows
+    assert timings == [] and timed_rows(m) == {1, 2}
+    fresh = build_gpt(tiny_llama(num_layers=2)).eval()
+    assert fastpath.pretune(fresh, 0) == 0
+    fastpath.kernel(fresh.decoder.layers[0].mlp.linear_fc1.weight, 7)
+    assert timings == [7] and 7 in timed_rows(fresh)
+
+
 def test_in_fresh_thread_returns_raises_and_runs_elsewhere():
     main = threading.get_ident()
     ident, value = in_fresh_thread(lambda a, b=0: (threading.get_ident(), a + b), 2, b=3)

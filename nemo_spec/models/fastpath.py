@@ -85,6 +85,7 @@ class WeightGroup:
         self.refs = [weakref.ref(w) for w in weights]
         self.choice: Dict[Tuple[Any, ...], Kernel] = {}  # (shape, dtype, rows, threads) -> kernel
         self.lock = threading.Lock()  # one tuning at a time (two at once would skew each other's timings)
+        self.pretuned = 0  # row counts 1..pretuned were timed ahead (pretune); larger ones are never timed later
 
 
 #: the group of each registered weight, by id; an entry is dropped when its weight is freed (so a later tensor
@@ -213,7 +214,12 @@ def pretune(module: torch.nn.Module, max_rows: int = MAX_TUNED_ROWS) -> int:
     """Time the small-row kernels of ``module``'s weights (see :func:`register`) for every row count 1..max_rows
     now instead of at first use, where each new row count would pause generation for a few sweeps over the
     weights (a server meets a new count whenever a row joins or leaves). Row counts already timed are skipped;
-    a no-op unless the rule is ``auto``. Returns how many (group, row count) timings ran."""
+    a no-op unless the rule is ``auto``. Returns how many (group, row count) timings ran.
+
+    Afterwards a larger row count (up to :data:`MAX_TUNED_ROWS`) is not timed at its first use but runs
+    ``F.linear``: the caller sized ``max_rows`` to the counts that matter (a server: its decode and verification
+    steps), and a forward of another count (a prefill chunk of a few short prompts) must not pause the running
+    batch — a timing costs ~0.1 s on the built-in base and 1.5-2 s on SmolLM2."""
     if SMALL_GEMM != "auto" or max_rows < 1:
         return 0
     register(module)
@@ -223,8 +229,11 @@ def pretune(module: torch.nn.Module, max_rows: int = MAX_TUNED_ROWS) -> int:
             if _cpu_matrix(p):
                 g = _GROUP_OF.get(id(p)) or _alone(p)
                 groups[id(g)] = g
-    return sum(_ensure_tuned(group, rows) for rows in range(1, min(int(max_rows), MAX_TUNED_ROWS) + 1)
-               for group in groups.values())
+    top = min(int(max_rows), MAX_TUNED_ROWS)
+    n = sum(_ensure_tuned(group, rows) for rows in range(1, top + 1) for group in groups.values())
+    for group in groups.values():
+        group.pretuned = max(group.pretuned, top)
+    return n
 
 
 def kernel(weight: torch.Tensor, rows: int) -> Kernel:
@@ -242,6 +251,8 @@ def kernel(weight: torch.Tensor, rows: int) -> Kernel:
     key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
     k = group.choice.get(key)
     if k is None:
+        if 0 < group.pretuned < rows:  # beyond what was timed ahead: no pause mid-generation (see pretune)
+            return ("linear", rows)
         _ensure_tuned(group, rows)
         k = group.choice.get(key)
         if k is None:  # the group no longer sweeps this weight's shape (moved off the CPU since it was grouped)
