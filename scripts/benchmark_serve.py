@@ -41,6 +41,9 @@ def main(argv=None) -> int:
                    help="--poisson: N closed-loop clients, each sending its next request an exponential think time "
                         "(mean N / rate) after its previous response (at most N in flight), instead of open-loop "
                         "arrivals (0)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--poisson: replay the arrivals this many times per rate, the schedulers alternating (their "
+                        "order reversed every other round); throughput and percentiles pool the rounds")
     p.add_argument("--schedulers", default="batch,continuous")
     p.add_argument("--max-tokens-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                    help="--poisson: each request's max_tokens drawn uniformly from [LO, HI] (mixed lengths, the same "
@@ -85,8 +88,10 @@ def main(argv=None) -> int:
             p.error(f"--max-tokens-range {a.max_tokens_range[0]} {a.max_tokens_range[1]}: need 1 <= LO <= HI")
         if a.clients < 0:
             p.error(f"--clients {a.clients}: need >= 0 (0: open-loop arrivals)")
+        if a.rounds < 1:
+            p.error(f"--rounds {a.rounds}: need >= 1")
         res = compare_schedulers(a.checkpoint, a.poisson, a.requests or 32, budget, a.method, a.options,
-                                 a.max_batch, a.schedulers.split(","), clients=a.clients)
+                                 a.max_batch, a.schedulers.split(","), clients=a.clients, rounds=a.rounds)
         print(format_poisson(res))
         if a.json:
             Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))

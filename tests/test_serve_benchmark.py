@@ -51,3 +51,27 @@ def test_poisson_closed_loop_clients_wait_for_their_responses(tok):
     assert _max_in_flight(closed) == 2
     assert all(closed[i + 2][3] >= closed[i][4] for i in range(6))  # client i % 2: next request after the last
     assert _max_in_flight(opened) > 2
+
+
+def test_compare_schedulers_alternates_rounds_over_one_loaded_model(tok, tok_dir, tmp_path, monkeypatch):
+    """compare_schedulers(rounds=2): the checkpoint is loaded once; each (round, rate) serves it with both schedulers,
+    the order reversed in the second round; results pool both rounds (every streamed token counted)."""
+    import nemo_spec.checkpoint as checkpoint
+    from nemo_spec.serve import benchmark as bench
+
+    ckpt = save_checkpoint(tiny_model(tok, num_layers=2), tmp_path / "ckpt", tokenizer_dir=tok_dir)
+    loads, order = [], []
+    real_load, real_served = checkpoint.load_model, bench._served
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+
+    def served(pool, checkpoint, sched, *a, **kw):
+        order.append(sched)
+        return real_served(pool, checkpoint, sched, *a, **kw)
+
+    monkeypatch.setattr(bench, "_served", served)
+    res = bench.compare_schedulers(str(ckpt), rates=[200.0], requests=3, max_tokens=4, max_batch=4,
+                                   prompts=["hello world", "the cat"], clients=2, rounds=2)
+    assert len(loads) == 1 and order == ["batch", "continuous", "continuous", "batch"]
+    assert [(r.scheduler, r.requests, r.completion_tokens, r.rounds) for r in res] == \
+        [("batch", 6, 24, 2), ("continuous", 6, 24, 2)]
+    assert "2 rounds, schedulers alternating" in bench.format_poisson(res)

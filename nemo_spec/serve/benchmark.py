@@ -150,6 +150,7 @@ class PoissonResult:
     itl_p50_s: float
     itl_p99_s: float
     clients: int = 0  # 0: open loop (arrivals regardless of responses); N: N closed-loop clients
+    rounds: int = 1  # the same arrivals replayed this many times, alternating with the other schedulers
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -262,14 +263,22 @@ def _client_pool() -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _served(pool: Any, checkpoint: str, scheduler: str, method: str, options: Optional[Dict[str, Any]],
-            max_batch: int, warm_prompts: Sequence[str], max_queue: int = 64) -> Iterator[str]:
-    """``checkpoint`` served in-process with ``scheduler``, warmed up by two short requests; yields the /v1 URL."""
+            max_batch: int, warm_prompts: Sequence[str], max_queue: int = 64,
+            loaded: Optional[Dict[str, Any]] = None) -> Iterator[str]:
+    """``checkpoint`` served in-process with ``scheduler``, warmed up by two short requests; yields the /v1 URL.
+    ``loaded`` (a dict): reuse the model, tokenizer and draft it holds, or fill it with those loaded now."""
     from nemo_spec.serve import ModelSpec, ServeConfig
+    from nemo_spec.serve.models import ModelManager
     from nemo_spec.serve.server import ServerThread
 
     spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
                      max_batch=max_batch, scheduler=scheduler)
-    server = ServerThread(ServeConfig(models=[spec], max_queue=max_queue)).start()
+    cfg = ServeConfig(models=[spec], max_queue=max_queue)
+    manager = ModelManager(cfg.max_queue, cfg.batch_wait_ms / 1000.0)
+    served = manager.add(spec, **(loaded or {}))  # loads on a thread that ends (one CPU thread team per process)
+    if loaded is not None and not loaded:
+        loaded.update(model=served.model, tokenizer=served.tokenizer, draft_model=served.draft_model)
+    server = ServerThread(cfg, manager).start()
     try:
         url = server.url + "/v1"
         pool.submit(_run_poisson, url, "bench", list(warm_prompts), 50.0, 2, 8, 0).result()
@@ -282,33 +291,61 @@ def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0)
                        max_tokens: Any = 64, method: str = "ar", options: Optional[Dict[str, Any]] = None,
                        max_batch: int = 16, schedulers: Sequence[str] = ("batch", "continuous"),
                        prompts: Sequence[str] = DEFAULT_PROMPTS, seed: int = 0,
-                       clients: int = 0) -> List[PoissonResult]:
-    """Serve ``checkpoint`` in-process once per scheduler and replay the same Poisson arrivals at each rate
-    (requests per second) against it; clients run in a spawned process (no GIL contention with the server).
+                       clients: int = 0, rounds: int = 1) -> List[PoissonResult]:
+    """Replay the same Poisson arrivals at each rate (requests per second) against ``checkpoint`` served in-process
+    by each scheduler; clients run in a spawned process (no GIL contention with the server).
     ``max_tokens``: every request's budget, or (lo, hi) to draw each one uniformly (mixed lengths).
-    ``clients``: 0 for open-loop arrivals, N for N closed-loop clients (see :func:`_poisson`)."""
-    results: List[PoissonResult] = []
+    ``clients``: 0 for open-loop arrivals, N for N closed-loop clients (see :func:`_poisson`).
+
+    Side by side: the model is loaded once and its few-row CPU kernels are timed once for every count a step of
+    either scheduler can use, then each (round, rate) serves it with every scheduler in turn, the order reversed
+    every other round, so a slow spell of the machine hits both alike. ``rounds`` repeat the same arrivals; a
+    scheduler's throughput is its tokens over its seconds summed over the rounds, its latency percentiles are over
+    all its requests."""
+    from nemo_spec._threads import in_fresh_thread
+    from nemo_spec.models import fastpath
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    loaded: Dict[str, Any] = {}
+    tuned = False
+    runs: Dict[Tuple[str, float], List[Tuple[Any, float]]] = {}
     with _client_pool() as pool:
-        for sched in schedulers:
-            with _served(pool, checkpoint, sched, method, options, max_batch, prompts, max(64, 2 * requests)) as url:
-                for rate in rates:
-                    out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
-                                               max_tokens, seed, clients).result()
-                    toks = sum(o[0] for o in out)
-                    ttft = [o[1] for o in out]
-                    gaps = [g for o in out for g in o[2]]
-                    results.append(PoissonResult(sched, float(rate), requests, toks, elapsed, toks / elapsed,
-                                                 _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99),
-                                                 clients))
-                    log.info("%s at %.1f req/s: %.1f tok/s, ttft p50 %.3fs p99 %.3fs", sched, rate,
-                             results[-1].tokens_per_s, results[-1].ttft_p50_s, results[-1].ttft_p99_s)
+        for rnd in range(rounds):
+            for rate in rates:
+                for sched in (schedulers if rnd % 2 == 0 else list(schedulers)[::-1]):
+                    with _served(pool, checkpoint, sched, method, options, max_batch, prompts,
+                                 max(64, 2 * requests), loaded) as url:
+                        if not tuned:  # every count up to 32, as the batch scheduler does: the same kernels for both
+                            for m in (loaded["model"], loaded.get("draft_model")):
+                                if m is not None:
+                                    in_fresh_thread(fastpath.pretune, m, fastpath.MAX_TUNED_ROWS)
+                            tuned = True
+                        out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
+                                                   max_tokens, seed, clients).result()
+                    runs.setdefault((sched, float(rate)), []).append((out, elapsed))
+                    log.info("%s at %.1f req/s (round %d/%d): %.1f tok/s", sched, rate, rnd + 1, rounds,
+                             sum(o[0] for o in out) / elapsed)
+    results: List[PoissonResult] = []
+    for sched in schedulers:
+        for rate in rates:
+            rs = runs[(sched, float(rate))]
+            outs = [o for out, _ in rs for o in out]
+            toks, elapsed = sum(o[0] for o in outs), sum(e for _, e in rs)
+            ttft = [o[1] for o in outs]
+            gaps = [g for o in outs for g in o[2]]
+            results.append(PoissonResult(sched, float(rate), requests * rounds, toks, elapsed, toks / elapsed,
+                                         _pct(ttft, 0.5), _pct(ttft, 0.99), _pct(gaps, 0.5), _pct(gaps, 0.99),
+                                         clients, rounds))
     return results
 
 
 def format_poisson(results: Sequence[PoissonResult]) -> str:
     """Side-by-side table: every scheduler per rate, with continuous/batch ratios."""
     loops = sorted({r.clients for r in results})
-    rows = [f"arrivals: {', '.join(f'{c} closed-loop clients' if c else 'open loop' for c in loops)}",
+    rounds = max((r.rounds for r in results), default=1)
+    rows = [f"arrivals: {', '.join(f'{c} closed-loop clients' if c else 'open loop' for c in loops)}"
+            + (f"; {rounds} rounds, schedulers alternating" if rounds > 1 else ""),
             "scheduler   rate  tok/s   ttft_p50  ttft_p99  itl_p50  itl_p99"]
     for r in results:
         rows.append(f"{r.scheduler:<10} {r.rate:>5.1f} {r.tokens_per_s:>7.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
