@@ -266,13 +266,16 @@ def _served(pool: Any, checkpoint: str, scheduler: str, method: str, options: Op
             max_batch: int, warm_prompts: Sequence[str], max_queue: int = 64,
             loaded: Optional[Dict[str, Any]] = None) -> Iterator[str]:
     """``checkpoint`` served in-process with ``scheduler``, warmed up by two short requests; yields the /v1 URL.
-    ``loaded`` (a dict): reuse the model, tokenizer and draft it holds, or fill it with those loaded now."""
+    ``loaded`` (a dict): reuse the model, tokenizer and draft it holds, or fill it with those loaded now. The
+    few-row CPU kernels are timed for every count up to 32 whatever the scheduler (the batch scheduler's default),
+    so both schedulers run the same kernels; counts already timed are not timed again."""
+    from nemo_spec.models import fastpath
     from nemo_spec.serve import ModelSpec, ServeConfig
     from nemo_spec.serve.models import ModelManager
     from nemo_spec.serve.server import ServerThread
 
     spec = ModelSpec(name="bench", path=checkpoint, method=method, options=dict(options or {}),
-                     max_batch=max_batch, scheduler=scheduler)
+                     max_batch=max_batch, scheduler=scheduler, pretune_rows=fastpath.MAX_TUNED_ROWS)
     cfg = ServeConfig(models=[spec], max_queue=max_queue)
     manager = ModelManager(cfg.max_queue, cfg.batch_wait_ms / 1000.0)
     served = manager.add(spec, **(loaded or {}))  # loads on a thread that ends (one CPU thread team per process)
@@ -302,13 +305,9 @@ def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0)
     every other round, so a slow spell of the machine hits both alike. ``rounds`` repeat the same arrivals; a
     scheduler's throughput is its tokens over its seconds summed over the rounds, its latency percentiles are over
     all its requests."""
-    from nemo_spec._threads import in_fresh_thread
-    from nemo_spec.models import fastpath
-
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     loaded: Dict[str, Any] = {}
-    tuned = False
     runs: Dict[Tuple[str, float], List[Tuple[Any, float]]] = {}
     with _client_pool() as pool:
         for rnd in range(rounds):
@@ -316,11 +315,6 @@ def compare_schedulers(checkpoint: str, rates: Sequence[float] = (2.0, 4.0, 8.0)
                 for sched in (schedulers if rnd % 2 == 0 else list(schedulers)[::-1]):
                     with _served(pool, checkpoint, sched, method, options, max_batch, prompts,
                                  max(64, 2 * requests), loaded) as url:
-                        if not tuned:  # every count up to 32, as the batch scheduler does: the same kernels for both
-                            for m in (loaded["model"], loaded.get("draft_model")):
-                                if m is not None:
-                                    in_fresh_thread(fastpath.pretune, m, fastpath.MAX_TUNED_ROWS)
-                            tuned = True
                         out, elapsed = pool.submit(_run_poisson, url, "bench", list(prompts), float(rate), requests,
                                                    max_tokens, seed, clients).result()
                     runs.setdefault((sched, float(rate)), []).append((out, elapsed))
