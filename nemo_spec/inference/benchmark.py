@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_spec.inference.generate import generate
+from nemo_spec.inference.proposers import PROPOSERS
+from nemo_spec.inference.proposers.common import PromptWindow
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.models import fastpath, gpt_forward, model_config, unwrap
 
@@ -107,7 +109,7 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
 #: how our rows batch the prompts (``run_ours``): consecutive fixed batches, or one continuous-batching session
 SCHEDULES = ("fixed", "continuous")
 #: methods whose draft takes option draft_prompt_tokens (benchmark --draft-prompt-tokens adds their +dpt=N rows)
-WINDOWED = ("eagle", "eagle_tree", "peagle", "peagle_tree")
+WINDOWED = tuple(m for m, cls in PROPOSERS.items() if issubclass(cls, PromptWindow))
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
