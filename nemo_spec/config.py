@@ -166,6 +166,8 @@ class ModelConfig:
 ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle", "dflash")
 #: algorithms whose draft is an EAGLE-3-style head (aux-layer features, fc, own lm_head over a draft vocabulary)
 EAGLE3_LIKE = ("eagle3", "peagle")
+#: what DFlash slots learn (SpeculativeConfig.dflash_targets)
+DFLASH_TARGETS = ("base", "data")
 
 
 @dataclass
@@ -188,6 +190,10 @@ class SpeculativeConfig:
     target_layer_ids: Optional[List[int]] = None  # DFlash: 0-based base layers whose outputs are fused; None -> ref.
     num_anchors: int = 512  # DFlash training: random anchors (blocks) per sequence
     loss_decay_gamma: Optional[float] = None  # DFlash: CE weight exp(-(k-1)/gamma) of slot k; None -> by block size
+    #: DFlash training labels of slot k: "base" -- the base's own next token at p + k (the argmax of its logits at
+    #: p + k - 1 over the sequence, what greedy drafting must reproduce); "data" -- the sequence's x_{p+k} (the
+    #: reference's CE, right when the data is the base's own generations)
+    dflash_targets: str = "base"
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
         """Raise ConfigError naming the invalid field; returns self."""
@@ -211,6 +217,8 @@ class SpeculativeConfig:
                 g = self.loss_decay_gamma
                 _check(isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0,
                        f"loss_decay_gamma must be a number > 0 or null, got {g!r}")
+            _check(self.dflash_targets in DFLASH_TARGETS,
+                   f"dflash_targets must be one of {DFLASH_TARGETS}, got {self.dflash_targets!r}")
             if self.target_layer_ids is not None:
                 ids = self.target_layer_ids
                 _check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(_is_int(i) for i in ids),
@@ -223,6 +231,8 @@ class SpeculativeConfig:
                                                   "embedding and LM head over the full vocabulary)")
         else:
             _check(self.target_layer_ids is None, f"target_layer_ids is only used by dflash, not {self.algorithm}")
+            _check(self.dflash_targets == "base",
+                   f"dflash_targets is only used by dflash, not {self.algorithm} (got {self.dflash_targets!r})")
         if self.algorithm in ("peagle", "dflash") and self.mask_token_id is not None:
             _check(_is_int(self.mask_token_id) and self.mask_token_id >= 0,
                    f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")

@@ -45,6 +45,11 @@ def test_transform_validates_dflash_settings():
         SpeculativeTransform(algorithm="dflash", num_layers=2, num_eagle_layers=3)
     with pytest.raises(ConfigError, match="target_layer_ids is only used by dflash"):
         SpeculativeConfig(algorithm="eagle3", target_layer_ids=[1]).validate()
+    with pytest.raises(ConfigError, match=r"dflash_targets must be one of \('base', 'data'\), got 'gold'"):
+        SpeculativeTransform(algorithm="dflash", dflash_targets="gold")
+    with pytest.raises(ConfigError, match="dflash_targets is only used by dflash, not eagle3"):
+        SpeculativeConfig(algorithm="eagle3", dflash_targets="data").validate()
+    assert SpeculativeConfig(algorithm="dflash").dflash_targets == "base"
     with pytest.raises(ConfigError, match="mask_token_id=500 outside"):
         SpeculativeTransform(algorithm="dflash", mask_token_id=500, target_layer_ids=[0])(build_gpt(tiny_llama()))
     # defaults: the reference's build_target_layer_ids and the pad / last id as mask, fixed in the stored config
@@ -56,6 +61,8 @@ def test_transform_validates_dflash_settings():
     # re-applying: same shape is a no-op (block size may change), other target layers are refused
     assert SpeculativeTransform(algorithm="dflash", num_layers=2, block_size=6)(m) is m
     assert m.spec_config.block_size == 6
+    assert SpeculativeTransform(algorithm="dflash", num_layers=2, dflash_targets="data")(m) is m  # a training setting
+    assert m.spec_config.dflash_targets == "data"
     with pytest.raises(ConfigError, match="target_layer_ids"):
         SpeculativeTransform(algorithm="dflash", num_layers=2, target_layer_ids=[0, 1])(m)
     assert SpeculativeConfig().resolved_loss_decay_gamma() == 7.0
@@ -125,15 +132,17 @@ def test_anchor_sampling_follows_the_loss_mask():
     assert keep.sum(1).tolist() == [2, 1] and set(anchors[0].tolist()) <= {1, 2, 5}
 
 
-def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone():
+@pytest.mark.parametrize("targets", ["data", "base"])
+def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone(targets):
     """The training loss, recomputed by hand: every anchor p (loss_mask[p] and [p+1]; all of them, as num_anchors
-    exceeds the length) drafted alone over its prefix; slot k >= 1 scored by CE against x_{p+k}, weighted
-    exp(-(k-1)/gamma) * loss_mask[p+k] (0 past the end), normalised by the summed weights."""
+    exceeds the length) drafted alone over its prefix; slot k >= 1 scored by CE against its label, weighted
+    exp(-(k-1)/gamma) * loss_mask[p+k] (0 past the end), normalised by the summed weights. The label is x_{p+k}
+    (``dflash_targets="data"``) or the argmax of a plain base forward's logits at p + k - 1 (``"base"``)."""
     import math
 
     import torch.nn.functional as F
 
-    m = _model(seed=4, block_size=4, loss_decay_gamma=2.0)
+    m = _model(seed=4, block_size=4, loss_decay_gamma=2.0, dflash_targets=targets)
     B, gamma = 4, m.spec_config.resolved_loss_decay_gamma()
     assert gamma == 2.0
     ids = torch.randint(0, 90, (1, 14), generator=torch.Generator().manual_seed(5))
@@ -143,6 +152,9 @@ def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone():
         out = m.base_forward(ids, compute_logits=False)
         feats = m.fuse(m.base_features(out))
         got = m.training_losses(ids, lm, base_out=out)["loss"]
+        greedy = m.base_forward(ids).logits[0].argmax(-1)  # [s]: the base's next token after x_{<=t}
+        labels = ids[0] if targets == "data" else torch.cat([ids[0, :1], greedy[:-1]])  # label of position t
+        assert targets == "data" or not torch.equal(labels[1:], ids[0, 1:])  # the two label sets differ here
         num = den = 0.0
         for p in range(13):
             if not (lm[0, p] and lm[0, p + 1]):
@@ -156,7 +168,7 @@ def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone():
                 if p + k >= ids.shape[1] or not lm[0, p + k]:
                     continue
                 w = math.exp(-(k - 1) / gamma)
-                num += w * float(F.cross_entropy(logits[k][None], ids[0, p + k][None]))
+                num += w * float(F.cross_entropy(logits[k][None], labels[p + k][None]))
                 den += w
     torch.testing.assert_close(got, torch.tensor(num / den), rtol=1e-4, atol=1e-5)
 
@@ -457,7 +469,8 @@ def test_offline_base_states_give_the_online_loss():
         out = m.base_forward(ids, compute_logits=False)
         batch = {"input_ids": ids, "base_hidden": out.hidden, "base_aux": torch.stack(out.aux_hidden, 2)}
         stored = base_output_from_batch(m, batch)
-        assert stored.logits is None  # DFlash's hard targets need no base logits
+        assert stored.logits is None  # the base's labels come from the stored final hidden states, a row block
+        # at a time (dflash_targets="base", the default); the online forward computes them the same way
         torch.manual_seed(0)
         online = m.training_losses(ids)["loss"]
         torch.manual_seed(0)

@@ -38,9 +38,9 @@ ARCH_FIELDS = {
 }
 #: training/drafting settings a re-applied transform may change on an existing draft (not its shape)
 _SOFT_FIELDS = ("ttt_steps", "parallel_depth", "cod_ratio", "cod_ratio_min", "depth_warmup_steps", "block_size",
-                "num_anchors", "loss_decay_gamma")
+                "num_anchors", "loss_decay_gamma", "dflash_targets")
 #: keyword settings of SpeculativeTransform that only DFlash uses
-_DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_anchors", "loss_decay_gamma")
+_DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_anchors", "loss_decay_gamma", "dflash_targets")
 
 
 def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
@@ -130,11 +130,12 @@ class SpeculativeTransform:
                  cod_ratio: Optional[float] = None, cod_ratio_min: Optional[float] = None,
                  block_size: Optional[int] = None, num_layers: Optional[int] = None,
                  target_layer_ids: Optional[List[int]] = None, num_anchors: Optional[int] = None,
-                 loss_decay_gamma: Optional[float] = None, depth_warmup_steps: Optional[int] = None) -> None:
+                 loss_decay_gamma: Optional[float] = None, depth_warmup_steps: Optional[int] = None,
+                 dflash_targets: Optional[str] = None) -> None:
         peagle = dict(parallel_depth=parallel_depth, mask_token_id=mask_token_id, cod_ratio=cod_ratio,
                       cod_ratio_min=cod_ratio_min, depth_warmup_steps=depth_warmup_steps)
         dflash = dict(block_size=block_size, target_layer_ids=target_layer_ids, num_anchors=num_anchors,
-                      loss_decay_gamma=loss_decay_gamma)
+                      loss_decay_gamma=loss_decay_gamma, dflash_targets=dflash_targets)
         if num_layers is not None:  # DFlash spelling of the draft decoder layer count
             if num_eagle_layers is not None and num_eagle_layers != num_layers:
                 raise ConfigError(f"SpeculativeTransform: num_layers={num_layers!r} and num_eagle_layers="
