@@ -226,6 +226,39 @@ def test_cached_context_block_equals_uncached_block():
                                        atol=1e-5)
 
 
+def test_drafting_runs_on_the_fast_path_and_equals_the_modules(monkeypatch):
+    """Drafting (no gradients) runs the draft layers and the context injection on the fast path, not megatron's
+    SelfAttention forward, with the same block logits as the modules' own forward (cached and uncached)."""
+    from nemo_spec.models import fastpath
+    from nemo_spec.speculative.dflash import DFlashSelfAttention
+
+    m = _model(seed=6)
+    d = m.eagle_module
+    ids = torch.randint(0, 90, (2, 12))
+    calls = []
+    orig = DFlashSelfAttention.forward
+    monkeypatch.setattr(DFlashSelfAttention, "forward", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+
+    def both():
+        feats = m.fuse(m.base_features(m.base_forward(ids, compute_logits=False)))
+        uncached = d(m.gpt, ids[:, 8:], DFlashContext(position_ids=torch.arange(8, 12)[None].expand(2, 4),
+                                                      target=feats[:, :8].transpose(0, 1),
+                                                      ctx_position_ids=torch.arange(8)[None].expand(2, 8)))[1]
+        cache = m.new_draft_cache(2, 16)
+        d.write_context(cache, feats[:, :8], torch.tensor([8, 8]))
+        pos = cache.lengths[:, None] + torch.arange(4)[None]
+        return uncached, d(m.gpt, ids[:, 8:], DFlashContext(position_ids=pos, cache=cache, kv_len=8))[1]
+
+    with torch.no_grad():
+        fast = both()
+        assert not calls  # neither forward went through megatron's attention module
+        monkeypatch.setattr(fastpath, "ENABLED", False)
+        slow = both()
+        assert calls
+    for f, s in zip(fast, slow):
+        torch.testing.assert_close(f, s, rtol=1e-5, atol=1e-5)
+
+
 # ---- export: the z-lab format through the SGLang 0.5.23 / vLLM 0.33.0 / z-lab readers -----------------------
 def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
     """Greedy equality cannot see a wrong draft (the target corrects it), so every block the proposer drafts in a

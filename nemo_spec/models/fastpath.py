@@ -352,16 +352,22 @@ def supported(layer: torch.nn.Module) -> bool:
     return ok
 
 
-def self_attention(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:
-    """megatron SelfAttention on normed input [s, b, in]: qkv -> core attention -> proj (bias included)."""
+def qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron SelfAttention's ``get_query_key_value_tensors`` on normed input [s, b, in]: q [s, b, heads, d],
+    k and v [s, b, groups, d], q/k normed where the layer has q/k norms."""
     s, b = x.shape[0], x.shape[1]
     heads, groups = attn.num_attention_heads_per_partition, attn.num_query_groups_per_partition
     hd = attn.hidden_size_per_attention_head
     per = heads // groups
-    qkv = column(attn.linear_qkv, x).view(s, b, groups, (per + 2) * hd)
-    q, k, v = torch.split(qkv, [per * hd, hd, hd], dim=3)
+    mixed = column(attn.linear_qkv, x).view(s, b, groups, (per + 2) * hd)
+    q, k, v = torch.split(mixed, [per * hd, hd, hd], dim=3)
     q = norm(getattr(attn, "q_layernorm", None), q.reshape(s, b, heads, hd))
-    k = norm(getattr(attn, "k_layernorm", None), k)
+    return q, norm(getattr(attn, "k_layernorm", None), k), v
+
+
+def self_attention(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """megatron SelfAttention on normed input [s, b, in]: qkv -> core attention -> proj (bias included)."""
+    q, k, v = qkv(attn, x)
     out = attn.core_attention.forward(q, k, v, ctx)
     return row(attn.linear_proj, out)
 

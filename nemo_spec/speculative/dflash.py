@@ -50,6 +50,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from nemo_spec import parallel
 from nemo_spec._mcore import ensure_metadata
 from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
 from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
 from nemo_spec.models.spec import layer_spec, transformer_config
@@ -206,6 +207,14 @@ def _training_attention(q, k, v, kc, vc, anchors, valid, B: int, scale: float) -
     return torch.cat(outs, 2)
 
 
+def _project(layer: torch.nn.Module, x: torch.Tensor, fast: bool) -> Tuple[torch.Tensor, ...]:
+    """(q, k, v) of a draft layer's ``linear_qkv`` (+ q/k norms) on x [S, b, h]: k/v [S, b, g, d] are what the
+    context is injected as; on the fast path where the layer supports it (generation), else megatron's own."""
+    if fast and fastpath.supported(layer):
+        return fastpath.qkv(layer.self_attention, x)
+    return tuple(layer.self_attention.get_query_key_value_tensors(x)[:3])
+
+
 def dflash_layer_spec() -> ModuleSpec:
     """The project's dense layer spec with q/k RMSNorm, the KV-injection self attention and DFlash core attention."""
     spec = copy.deepcopy(layer_spec())
@@ -262,9 +271,10 @@ class DFlashDraft(MegatronModule):
         pos = cache.lengths[:b, None] + torch.arange(n, device=dev)[None]  # draft cache slot == position
         slots = pos.clamp(max=cache.max_len - 1)
         x = fused.transpose(0, 1).to(self.fc.weight.dtype)
+        fast = fastpath.active()
         for i, layer in enumerate(self.layers):
             attn = layer.self_attention
-            _, k, v = attn.get_query_key_value_tensors(x)[:3]  # [n, b, g, d]
+            _, k, v = _project(layer, x, fast)  # [n, b, g, d]
             core = attn.core_attention
             k = apply_rope(k.permute(1, 2, 0, 3), pos, core.inv_freq)  # [b, g, n, d]
             cache.write(i, slots, k.transpose(1, 2), v.transpose(0, 1))
@@ -272,14 +282,28 @@ class DFlashDraft(MegatronModule):
 
     def forward(self, base: torch.nn.Module, block_ids: torch.Tensor, ctx: DFlashContext, gather: bool = True,
                 head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Block tokens [b, q] (context in ``ctx``) -> (normed draft hidden [b, q, h], logits [b, q, V] | None)."""
-        x = base.embedding.word_embeddings(block_ids.t())  # [q, b, h], frozen base embedding
+        """Block tokens [b, q] (context in ``ctx``) -> (normed draft hidden [b, q, h], logits [b, q, V] | None).
+
+        Drafting (gradients off, not the training blocks) runs the layers on the fast path (models/fastpath.py):
+        the same modules and math without megatron's per-call machinery, which cost more than the arithmetic of a
+        few-token block on CPU."""
+        fast = fastpath.active() and ctx.anchors is None and all(fastpath.supported(l) for l in self.layers)
+        if fast and parallel.tp_size() == 1:
+            x = F.embedding(block_ids.t(), base.embedding.word_embeddings.weight)
+        else:
+            x = base.embedding.word_embeddings(block_ids.t())  # [q, b, h], frozen base embedding
+        inject = ctx.target is not None and ctx.target.shape[0] > 0
         for layer in self.layers:
-            x, _ = layer(hidden_states=x, attention_mask=ctx)
-        x = self.final_layernorm(x)
+            if fast:
+                if inject:  # what DFlashSelfAttention.forward does before its attention
+                    ctx.kv[layer.self_attention.layer_number] = _project(layer, ctx.target, True)[1:]
+                x = fastpath.layer_forward(layer, x, ctx)
+            else:
+                x, _ = layer(hidden_states=x, attention_mask=ctx)
+        x = fastpath.norm(self.final_layernorm, x) if fast else self.final_layernorm(x)
         logits = None
         if head:
-            logits = output_logits(base, x)
+            logits = output_logits(base, x, fast=fast)
             if gather:
                 logits = gather_vocab(logits)
             logits = logits.transpose(0, 1)
