@@ -365,7 +365,7 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     draft the data; ``"base"`` (default) -- the base's argmax at position p + k - 1 of the same forward, the
     token greedy decoding would take after x_{<=p+k-1}, which teaches it the base. They agree on data the base
     generated greedily; on other text (the recipe's plain-text data) only the base's labels teach what
-    verification accepts (on the quickstart base: validation tau 3.2 against 1.7 after the same 229 s).
+    verification accepts (on the quickstart base: validation tau 3.1 against 1.7 after the same 229 s).
 
     Returns {"loss", "step_losses" / "step_acc" (per slot k = 1..B-1), "num_elements", (+ "token_loss" [b, s]
     by megatron label position p + k - 1, weighted, unnormalised)}.
