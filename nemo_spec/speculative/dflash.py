@@ -342,13 +342,14 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
 
 def base_argmax(model, out) -> torch.Tensor:
     """The base's argmax token [s, b] at every position of a training forward, over the full vocabulary (from
-    ``out.logits`` or the final hidden states one row block at a time: the logits never exist whole)."""
+    ``out.logits`` or the final hidden states one row block at a time: the logits never exist whole, also on a
+    GPU, where a block holds at most 2^28 logits -- a 128k vocabulary over 32k tokens would be 8 GiB in bf16)."""
     from nemo_spec.speculative.losses import _base_logit_rows, _row_block
 
     rows, n, v = _base_logit_rows(model, out)
     s, b = out.hidden.shape[1], out.hidden.shape[0]
     top = torch.empty(n, dtype=torch.long, device=out.hidden.device)
-    step = _row_block(v, out.hidden.device)
+    step = min(_row_block(v, out.hidden.device), max(1, (1 << 28) // v))
     with torch.no_grad():
         for a in range(0, n, step):
             top[a:a + step] = rows(a, a + step).argmax(-1)
