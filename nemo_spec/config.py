@@ -167,7 +167,7 @@ ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle", "dflash")
 #: algorithms whose draft is an EAGLE-3-style head (aux-layer features, fc, own lm_head over a draft vocabulary)
 EAGLE3_LIKE = ("eagle3", "peagle")
 #: what DFlash slots learn (SpeculativeConfig.dflash_targets)
-DFLASH_TARGETS = ("base", "data")
+DFLASH_TARGETS = ("base", "rollout", "data")
 
 
 @dataclass
@@ -191,8 +191,9 @@ class SpeculativeConfig:
     num_anchors: int = 512  # DFlash training: random anchors (blocks) per sequence
     loss_decay_gamma: Optional[float] = None  # DFlash: CE weight exp(-(k-1)/gamma) of slot k; None -> by block size
     #: DFlash training labels of slot k: "base" -- the base's own next token at p + k (the argmax of its logits at
-    #: p + k - 1 over the sequence, what greedy drafting must reproduce); "data" -- the sequence's x_{p+k} (the
-    #: reference's CE, right when the data is the base's own generations)
+    #: p + k - 1 over the sequence); "rollout" -- the k-th token of the base's greedy continuation of x_{<=p} (what
+    #: a drafted block must reproduce; B - 2 extra one-token base forwards per anchor); "data" -- the sequence's
+    #: x_{p+k} (the reference's CE, right when the data is the base's own generations)
     dflash_targets: str = "base"
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":

@@ -132,12 +132,15 @@ def test_anchor_sampling_follows_the_loss_mask():
     assert keep.sum(1).tolist() == [2, 1] and set(anchors[0].tolist()) <= {1, 2, 5}
 
 
-@pytest.mark.parametrize("targets", ["data", "base"])
+@pytest.mark.parametrize("targets", ["data", "base", "rollout"])
 def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone(targets):
     """The training loss, recomputed by hand: every anchor p (loss_mask[p] and [p+1]; all of them, as num_anchors
     exceeds the length) drafted alone over its prefix; slot k >= 1 scored by CE against its label, weighted
     exp(-(k-1)/gamma) * loss_mask[p+k] (0 past the end), normalised by the summed weights. The label is x_{p+k}
-    (``dflash_targets="data"``) or the argmax of a plain base forward's logits at p + k - 1 (``"base"``)."""
+    (``dflash_targets="data"``), the argmax of a plain base forward's logits at p + k - 1 (``"base"``), or the
+    k-th token our AR engine generates after x_{<=p} (``"rollout"``)."""
+    from nemo_spec.inference import SamplingParams, generate
+
     import math
 
     import torch.nn.functional as F
@@ -155,6 +158,8 @@ def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone(targets):
         greedy = m.base_forward(ids).logits[0].argmax(-1)  # [s]: the base's next token after x_{<=t}
         labels = ids[0] if targets == "data" else torch.cat([ids[0, :1], greedy[:-1]])  # label of position t
         assert targets == "data" or not torch.equal(labels[1:], ids[0, 1:])  # the two label sets differ here
+        rollouts = {p: generate(m, [ids[0, :p + 1].tolist()], SamplingParams(max_new_tokens=B - 1))[0].tokens
+                    for p in range(13)} if targets == "rollout" else {}
         num = den = 0.0
         for p in range(13):
             if not (lm[0, p] and lm[0, p + 1]):
@@ -168,9 +173,32 @@ def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone(targets):
                 if p + k >= ids.shape[1] or not lm[0, p + k]:
                     continue
                 w = math.exp(-(k - 1) / gamma)
-                num += w * float(F.cross_entropy(logits[k][None], labels[p + k][None]))
+                label = rollouts[p][k - 1] if rollouts else int(labels[p + k])
+                num += w * float(F.cross_entropy(logits[k][None], torch.tensor([label])))
                 den += w
     torch.testing.assert_close(got, torch.tensor(num / den), rtol=1e-4, atol=1e-5)
+
+
+def test_rollout_labels_are_the_bases_greedy_continuation_of_each_anchor():
+    """dflash_targets="rollout": slot k of the block anchored at p is scored against the k-th token greedy decoding
+    generates after x_{<=p} (our AR engine, run per anchor), for every anchor of a ragged batch side by side."""
+    from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.speculative.dflash import dflash_losses, rollout_labels, sample_anchors
+
+    m = _model(seed=8, block_size=5, dflash_targets="rollout")
+    ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(3))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[1, 8:] = False
+    anchors, keep = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = m.base_forward(ids).logits.argmax(-1)[torch.arange(2)[:, None], anchors]
+        got = rollout_labels(m, ids, anchors, first, 3)  # [2, 6, 4]
+        for r in range(2):
+            for n in range(6):
+                if keep[r, n]:
+                    p = int(anchors[r, n])
+                    want = generate(m, [ids[r, :p + 1].tolist()], SamplingParams(max_new_tokens=4))[0].tokens
+                    assert got[r, n].tolist() == want, (r, p)
 
 
 def test_training_lowers_the_loss_and_leaves_the_base_alone():

@@ -356,6 +356,46 @@ def base_argmax(model, out) -> torch.Tensor:
     return top.view(s, b)
 
 
+def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first: torch.Tensor,
+                   steps: int) -> torch.Tensor:
+    """The base's own greedy continuation of every anchor: labels [b, N, steps + 1] where [..., 0] is ``first``
+    (its argmax after x_{<=p}) and [..., j] the argmax after x_{<=p}, y_1 .. y_j -- what greedy decoding from the
+    anchor generates, which a block slot has to reproduce (it sees x_p and the context before it, never the
+    data tokens after p).
+
+    One cached forward over the sequence, then ``steps`` forwards of one token per anchor: all anchors of a row
+    roll out side by side in the cache, each query seeing the sequence up to its anchor and its own rollout."""
+    from nemo_spec.models import gpt_forward, model_config, new_kv_cache
+
+    gpt = model.gpt
+    top_pos = model_config(gpt).max_position_embeddings - 1  # slots past the sequence end are never scored
+    b, s = input_ids.shape
+    N = anchors.shape[1]
+    dev = input_ids.device
+    labels = [first]
+    if steps <= 0:
+        return torch.stack(labels, -1)
+    cache = new_kv_cache(gpt, batch_size=b, max_len=s + steps * N)
+    slot = torch.arange(s + steps * N, device=dev)
+    pos = torch.arange(s, device=dev)[None].expand(b, s)
+    with torch.no_grad():
+        causal = (slot[None, :s, None] >= slot[None, None, :s]).expand(b, s, s)
+        gpt_forward(gpt, input_ids, AttnContext(position_ids=pos, mask=causal, cache=cache, write_slots=pos,
+                                                kv_len=s), compute_logits=False)
+        n = torch.arange(N, device=dev)
+        for j in range(1, steps + 1):
+            kv = s + j * N
+            keys = slot[:kv]
+            sees_seq = (keys[None, None, :] < s) & (keys[None, None, :] <= anchors[:, :, None])  # [b, N, kv]
+            r = keys - s  # rollout slots: step r // N + 1, anchor r % N
+            sees_own = (keys >= s)[None, None, :] & ((r % N)[None, None, :] == n[None, :, None])
+            ctx = AttnContext(position_ids=(anchors + j).clamp(max=top_pos), mask=sees_seq | sees_own, cache=cache,
+                              write_slots=(s + (j - 1) * N + n)[None].expand(b, N), kv_len=kv)
+            out = gpt_forward(gpt, labels[-1], ctx)
+            labels.append(out.logits.argmax(-1))
+    return torch.stack(labels, -1)
+
+
 def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, num_anchors: Optional[int] = None,
                   generator: Optional[torch.Generator] = None, return_logits: bool = False,
                   token_loss: bool = False) -> Dict[str, object]:
@@ -394,6 +434,9 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     labc = lab.clamp(max=s - 1)
     if sc.dflash_targets == "base":  # the base's own next token after x_{<=p+k-1}
         target = base_argmax(model, out).t()[rows[:, :, None], (labc - 1).clamp(min=0)]
+    elif sc.dflash_targets == "rollout":  # the base's greedy continuation of x_{<=p}: slot k = its k-th token
+        first = base_argmax(model, out).t()[rows, anchors]
+        target = torch.cat([first[..., None], rollout_labels(model, input_ids, anchors, first, B - 2)], -1)
     else:
         target = input_ids[rows[:, :, None], labc]
     decay = torch.exp(-(offs - 1).clamp(min=0).float() / gamma)
