@@ -45,7 +45,7 @@ def test_transform_validates_dflash_settings():
         SpeculativeTransform(algorithm="dflash", num_layers=2, num_eagle_layers=3)
     with pytest.raises(ConfigError, match="target_layer_ids is only used by dflash"):
         SpeculativeConfig(algorithm="eagle3", target_layer_ids=[1]).validate()
-    with pytest.raises(ConfigError, match=r"dflash_targets must be one of \('base', 'data'\), got 'gold'"):
+    with pytest.raises(ConfigError, match=r"dflash_targets must be one of \('base', 'rollout', 'data'\), got 'gold'"):
         SpeculativeTransform(algorithm="dflash", dflash_targets="gold")
     with pytest.raises(ConfigError, match="dflash_targets is only used by dflash, not eagle3"):
         SpeculativeConfig(algorithm="eagle3", dflash_targets="data").validate()
