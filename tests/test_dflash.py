@@ -148,32 +148,36 @@ def test_loss_is_the_decayed_weighted_ce_of_each_block_drafted_alone(targets):
     m = _model(seed=4, block_size=4, loss_decay_gamma=2.0, dflash_targets=targets)
     B, gamma = 4, m.spec_config.resolved_loss_decay_gamma()
     assert gamma == 2.0
-    ids = torch.randint(0, 90, (1, 14), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 90, (2, 14), generator=torch.Generator().manual_seed(5))
     lm = torch.ones_like(ids, dtype=torch.bool)
     lm[0, 5] = lm[0, 6] = False  # a hole: no anchors at 4, 5, 6; slots landing on 5, 6 weigh 0
+    lm[1, 6:] = False  # a second, shorter row: [b, s] layouts must not be confused with [s, b]
     with torch.no_grad():
         out = m.base_forward(ids, compute_logits=False)
         feats = m.fuse(m.base_features(out))
         got = m.training_losses(ids, lm, base_out=out)["loss"]
-        greedy = m.base_forward(ids).logits[0].argmax(-1)  # [s]: the base's next token after x_{<=t}
-        labels = ids[0] if targets == "data" else torch.cat([ids[0, :1], greedy[:-1]])  # label of position t
-        assert targets == "data" or not torch.equal(labels[1:], ids[0, 1:])  # the two label sets differ here
-        rollouts = {p: generate(m, [ids[0, :p + 1].tolist()], SamplingParams(max_new_tokens=B - 1))[0].tokens
-                    for p in range(13)} if targets == "rollout" else {}
+        greedy = m.base_forward(ids).logits.argmax(-1)  # [b, s]: the base's next token after x_{<=t}
+        labels = ids if targets == "data" else torch.cat([ids[:, :1], greedy[:, :-1]], 1)  # label of position t
+        assert targets == "data" or not torch.equal(labels[:, 1:], ids[:, 1:])  # the two label sets differ here
+        rollouts = {(r, p): generate(m, [ids[r, :p + 1].tolist()], SamplingParams(max_new_tokens=B - 1))[0].tokens
+                    for r in range(2) for p in range(13)} if targets == "rollout" else {}
+        if rollouts:  # a rollout is not the teacher-forced labels: somewhere they differ
+            assert any(rollouts[(r, p)][k - 1] != int(labels[r, p + k]) for (r, p) in rollouts for k in (2, 3)
+                       if p + k < 14)
         num = den = 0.0
-        for p in range(13):
-            if not (lm[0, p] and lm[0, p + 1]):
+        for r, p in [(r, p) for r in range(2) for p in range(13)]:
+            if not (lm[r, p] and lm[r, p + 1]):
                 continue
             tok = torch.full((1, B), m.eagle_module.mask_token_id, dtype=torch.long)
-            tok[0, 0] = ids[0, p]
-            ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None], target=feats[:, :p].transpose(0, 1),
+            tok[0, 0] = ids[r, p]
+            ctx = DFlashContext(position_ids=torch.arange(p, p + B)[None], target=feats[r:r + 1, :p].transpose(0, 1),
                                 ctx_position_ids=torch.arange(p)[None])
             logits = m.eagle_module(m.gpt, tok, ctx)[1][0].float()
             for k in range(1, B):
-                if p + k >= ids.shape[1] or not lm[0, p + k]:
+                if p + k >= ids.shape[1] or not lm[r, p + k]:
                     continue
                 w = math.exp(-(k - 1) / gamma)
-                label = rollouts[p][k - 1] if rollouts else int(labels[p + k])
+                label = rollouts[(r, p)][k - 1] if rollouts else int(labels[r, p + k])
                 num += w * float(F.cross_entropy(logits[k][None], torch.tensor([label])))
                 den += w
     torch.testing.assert_close(got, torch.tensor(num / den), rtol=1e-4, atol=1e-5)
@@ -183,13 +187,14 @@ def test_rollout_labels_are_the_bases_greedy_continuation_of_each_anchor():
     """dflash_targets="rollout": slot k of the block anchored at p is scored against the k-th token greedy decoding
     generates after x_{<=p} (our AR engine, run per anchor), for every anchor of a ragged batch side by side."""
     from nemo_spec.inference import SamplingParams, generate
-    from nemo_spec.speculative.dflash import dflash_losses, rollout_labels, sample_anchors
+    from nemo_spec.speculative.dflash import rollout_labels, sample_anchors
 
     m = _model(seed=8, block_size=5, dflash_targets="rollout")
     ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(3))
     lm = torch.ones_like(ids, dtype=torch.bool)
-    lm[1, 8:] = False
+    lm[1, 4:] = False  # row 1 has 3 anchors: the other 3 are padding
     anchors, keep = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    assert keep[0].all() and keep[1].sum() == 3
     with torch.no_grad():
         first = m.base_forward(ids).logits.argmax(-1)[torch.arange(2)[:, None], anchors]
         got = rollout_labels(m, ids, anchors, first, 3)  # [2, 6, 4]

@@ -29,8 +29,10 @@ layer's ``attention_mask``, like every other attention context of the project.
 Training (:func:`dflash_losses`, SpecForge dflash_family_model.py:179-461): random anchors on positions p with
 ``loss_mask[p]`` and ``loss_mask[p + 1]``; block n is [x_p, MASK...] at positions p .. p + B - 1, attends to the
 context positions < p (strictly: the base hidden state at p is not known when x_p is the bonus token) and
-bidirectionally to its own block; slot k >= 1 predicts x_{p+k} with cross-entropy weighted exp(-(k-1)/gamma).
-The attention runs in chunks of blocks (context prefix + block-diagonal), never as one [N*B, S + N*B] mask.
+bidirectionally to its own block; slot k >= 1 predicts the token at p + k with cross-entropy weighted
+exp(-(k-1)/gamma), against a label chosen by ``spec.dflash_targets`` (the reference's x_{p+k}, or the base's own
+tokens: see :func:`dflash_losses`). The attention runs in chunks of blocks (context prefix + block-diagonal), never
+as one [N*B, S + N*B] mask.
 """
 from __future__ import annotations
 
@@ -363,13 +365,22 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
     anchor generates, which a block slot has to reproduce (it sees x_p and the context before it, never the
     data tokens after p).
 
-    One cached forward over the sequence, then ``steps`` forwards of one token per anchor: all anchors of a row
-    roll out side by side in the cache, each query seeing the sequence up to its anchor and its own rollout."""
+    One cached base forward over the sequence (the training forward keeps no cache, so the sequence is read twice;
+    offline training runs the base decoder here too), then ``steps`` forwards of one token per anchor: all anchors
+    of a row roll out side by side in the cache, each query seeing the sequence up to its anchor and its own
+    rollout; their argmax is taken a row block of logits at a time. Refused under expert parallelism (the
+    anchor counts differ between EP ranks; their token dispatch needs equal counts)."""
     from nemo_spec.models import gpt_forward, model_config, new_kv_cache
 
     gpt = model.gpt
-    top_pos = model_config(gpt).max_position_embeddings - 1  # slots past the sequence end are never scored
+    top_pos = model_config(gpt).max_position_embeddings - 1
     b, s = input_ids.shape
+    if parallel.ep_size() > 1:
+        raise ValueError("dflash_targets='rollout' is not supported with expert parallelism (ep_size > 1): the "
+                         "rollout forwards' token counts differ between EP ranks; use dflash_targets='base'")
+    if s > top_pos + 1:
+        raise ValueError(f"dflash_targets='rollout': sequences of {s} tokens exceed the base's "
+                         f"{top_pos + 1} positions")
     N = anchors.shape[1]
     dev = input_ids.device
     labels = [first]
@@ -389,10 +400,11 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
             sees_seq = (keys[None, None, :] < s) & (keys[None, None, :] <= anchors[:, :, None])  # [b, N, kv]
             r = keys - s  # rollout slots: step r // N + 1, anchor r % N
             sees_own = (keys >= s)[None, None, :] & ((r % N)[None, None, :] == n[None, :, None])
+            # positions past the base's last one only occur past the sequence end, where nothing is scored
             ctx = AttnContext(position_ids=(anchors + j).clamp(max=top_pos), mask=sees_seq | sees_own, cache=cache,
                               write_slots=(s + (j - 1) * N + n)[None].expand(b, N), kv_len=kv)
-            out = gpt_forward(gpt, labels[-1], ctx)
-            labels.append(out.logits.argmax(-1))
+            out = gpt_forward(gpt, labels[-1], ctx, compute_logits=False)
+            labels.append(base_argmax(model, out).t())
     return torch.stack(labels, -1)
 
 

@@ -263,7 +263,7 @@ class SpeculativeGPT(MegatronModule):
                                     token_loss=token_loss)
 
     def _base_logits_needed(self) -> bool:
-        if self.algorithm == "dflash":  # hard targets (the data tokens): no base logits
+        if self.algorithm == "dflash":  # hard labels; the base's argmax is taken from the hidden states in row blocks
             return False
         return self.algorithm not in EAGLE3_LIKE or losses.REFERENCE_FORMULATION
 
