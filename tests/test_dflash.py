@@ -206,6 +206,19 @@ def test_rollout_labels_are_the_bases_greedy_continuation_of_each_anchor():
                     assert got[r, n].tolist() == want, (r, p)
 
 
+def test_rollout_labels_refuse_expert_parallelism_and_overlong_rows(monkeypatch):
+    from nemo_spec import parallel
+    from nemo_spec.speculative.dflash import rollout_labels
+
+    m = _model(seed=8, dflash_targets="rollout")
+    anchors, first = torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="sequences of 257 tokens exceed the base's 256 positions"):
+        rollout_labels(m, torch.zeros(1, 257, dtype=torch.long), anchors, first, 2)
+    monkeypatch.setattr(parallel, "ep_size", lambda: 2)
+    with pytest.raises(ValueError, match="not supported with expert parallelism"):
+        rollout_labels(m, torch.zeros(1, 8, dtype=torch.long), anchors, first, 2)
+
+
 def test_training_lowers_the_loss_and_leaves_the_base_alone():
     m = _model(seed=3, perturb=False)
     m.train()
