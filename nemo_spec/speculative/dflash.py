@@ -342,20 +342,20 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
 
 
-def base_argmax(model, out) -> torch.Tensor:
-    """The base's argmax token [s, b] at every position of a training forward, over the full vocabulary (from
-    ``out.logits`` or the final hidden states one row block at a time: the logits never exist whole, also on a
-    GPU, where a block holds at most 2^28 logits -- a 128k vocabulary over 32k tokens would be 8 GiB in bf16)."""
+def base_argmax(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The base's argmax token [b, n] over the full vocabulary from its final hidden states [b, n, h], computed one
+    row block of logits at a time: the logits never exist whole, also on a GPU, where a block holds at most 2^28
+    logits (a 128k vocabulary over 32k tokens would be 8 GiB in bf16). Only the rows asked for are computed."""
+    from nemo_spec.models.gpt import GPTOutput
     from nemo_spec.speculative.losses import _base_logit_rows, _row_block
 
-    rows, n, v = _base_logit_rows(model, out)
-    s, b = out.hidden.shape[1], out.hidden.shape[0]
-    top = torch.empty(n, dtype=torch.long, device=out.hidden.device)
-    step = min(_row_block(v, out.hidden.device), max(1, (1 << 28) // v))
+    rows, n, v = _base_logit_rows(model, GPTOutput(logits=None, hidden=hidden))
+    top = torch.empty(n, dtype=torch.long, device=hidden.device)
+    step = min(_row_block(v, hidden.device), max(1, (1 << 28) // v))
     with torch.no_grad():
         for a in range(0, n, step):
             top[a:a + step] = rows(a, a + step).argmax(-1)
-    return top.view(s, b)
+    return top.view(hidden.shape[1], hidden.shape[0]).t()  # the rows come in [n, b] order
 
 
 def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first: torch.Tensor,
@@ -404,7 +404,7 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
             ctx = AttnContext(position_ids=(anchors + j).clamp(max=top_pos), mask=sees_seq | sees_own, cache=cache,
                               write_slots=(s + (j - 1) * N + n)[None].expand(b, N), kv_len=kv)
             out = gpt_forward(gpt, labels[-1], ctx, compute_logits=False)
-            labels.append(base_argmax(model, out).t())
+            labels.append(base_argmax(model, out.hidden))
     return torch.stack(labels, -1)
 
 
@@ -445,9 +445,9 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     in_seq = lab < s
     labc = lab.clamp(max=s - 1)
     if sc.dflash_targets == "base":  # the base's own next token after x_{<=p+k-1}
-        target = base_argmax(model, out).t()[rows[:, :, None], (labc - 1).clamp(min=0)]
+        target = base_argmax(model, out.hidden)[rows[:, :, None], (labc - 1).clamp(min=0)]
     elif sc.dflash_targets == "rollout":  # the base's greedy continuation of x_{<=p}: slot k = its k-th token
-        first = base_argmax(model, out).t()[rows, anchors]
+        first = base_argmax(model, out.hidden[rows, anchors])  # the anchors' rows only
         target = torch.cat([first[..., None], rollout_labels(model, input_ids, anchors, first, B - 2)], -1)
     else:
         target = input_ids[rows[:, :, None], labc]
