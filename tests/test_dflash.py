@@ -321,14 +321,14 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     d = m.eagle_module
 
-    def uncached_logits(seq, k):  # slots 1..k of the block anchored at the row's last token, no cache
-        L = len(seq) - 1
+    def uncached_logits(seq, k):  # slots 1..k of the whole trained block anchored at the row's last token, no cache
+        L, n = len(seq) - 1, max(k, d.block_size - 1)
         feats = m.fuse(m.base_features(m.base_forward(torch.tensor([seq]), compute_logits=False)))
-        tok = torch.full((1, k + 1), d.mask_token_id, dtype=torch.long)
+        tok = torch.full((1, n + 1), d.mask_token_id, dtype=torch.long)
         tok[0, 0] = seq[L]
-        ctx = DFlashContext(position_ids=torch.arange(L, L + k + 1)[None], target=feats[:, :L].transpose(0, 1),
+        ctx = DFlashContext(position_ids=torch.arange(L, L + n + 1)[None], target=feats[:, :L].transpose(0, 1),
                             ctx_position_ids=torch.arange(L)[None])
-        return d(m.gpt, tok, ctx)[1][0, 1:]
+        return d(m.gpt, tok, ctx)[1][0, 1:k + 1]
 
     def uncached(seq, k):
         return uncached_logits(seq, k).argmax(-1).tolist()
@@ -351,6 +351,13 @@ def test_session_proposals_equal_the_uncached_one_block_draft(monkeypatch):
         generate(m, prompts, [SamplingParams(max_new_tokens=n) for n in budgets], method="dflash", options=opts)
         generate(m, prompts, [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate(budgets)],
                  method="dflash", options=opts)
+    assert len(seen) > 20 and all(seen), (len(seen), seen.count(False))
+    # fewer draft tokens than trained slots (an option, or a lower adaptive level): the first slots of the SAME
+    # block -- the slots attend to each other, so a shorter block would draft other tokens
+    seen.clear()
+    with torch.no_grad():
+        generate(m, prompts, [SamplingParams(max_new_tokens=n) for n in budgets], method="dflash",
+                 options={**opts, "num_draft_tokens": 2})
     assert len(seen) > 20 and all(seen), (len(seen), seen.count(False))
 
     # dflash_tree: node i is the rank-r_i token of slot d_i of the same block, on the static tree

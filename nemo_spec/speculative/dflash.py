@@ -283,8 +283,9 @@ class DFlashDraft(MegatronModule):
         cache.lengths[:b] += counts.to(cache.lengths.dtype)
 
     def forward(self, base: torch.nn.Module, block_ids: torch.Tensor, ctx: DFlashContext, gather: bool = True,
-                head: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Block tokens [b, q] (context in ``ctx``) -> (normed draft hidden [b, q, h], logits [b, q, V] | None).
+                head: bool = True, head_rows: slice = slice(None)) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Block tokens [b, q] (context in ``ctx``) -> (normed draft hidden [b, q, h], logits [b, q', V] | None);
+        ``head_rows`` selects the block positions q' the LM head runs on (drafting needs the mask slots only).
 
         Drafting (gradients off, not the training blocks) runs the layers on the fast path (models/fastpath.py):
         the same modules and math without megatron's per-call machinery, which cost more than the arithmetic of a
@@ -305,7 +306,7 @@ class DFlashDraft(MegatronModule):
         x = fastpath.norm(self.final_layernorm, x) if fast else self.final_layernorm(x)
         logits = None
         if head:
-            logits = output_logits(base, x, fast=fast)
+            logits = output_logits(base, x[head_rows], fast=fast)
             if gather:
                 logits = gather_vocab(logits)
             logits = logits.transpose(0, 1)

@@ -44,7 +44,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         super().__init__(model, ("dflash",))
         draft = self.spec.eagle_module
-        trained = int(self.spec.spec_config.block_size) - 1
+        self.trained = trained = int(self.spec.spec_config.block_size) - 1
         self.depth = opt_int(options, "num_draft_tokens", trained)
         if self.depth > trained:
             log.warning("dflash: num_draft_tokens=%d exceeds the %d mask slots the draft was trained with (block "
@@ -112,16 +112,20 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         k = self.level_depth(level)
         if k == 0:
             return DraftTree.empty(b, dev)
+        # The block is never shorter than the one the draft was trained with: its slots attend to each other
+        # (bidirectionally), so [anchor, MASK x k] with k < B - 1 changes every slot's prediction (acceptance fell
+        # from tau 4 to ~1.7 on the quickstart's draft). Fewer draft tokens = the same block, its first k slots.
+        n = max(k, self.trained)
         view = self.cache.view(0, b)
-        tok = torch.full((b, k + 1), self.mask_token_id, dtype=torch.long, device=dev)
+        tok = torch.full((b, n + 1), self.mask_token_id, dtype=torch.long, device=dev)
         tok[:, 0] = self.last_tok[:b]
-        pos = (view.lengths[:, None] + torch.arange(k + 1, device=dev)[None]).clamp(max=self.max_pos - 1)
+        pos = (view.lengths[:, None] + torch.arange(n + 1, device=dev)[None]).clamp(max=self.max_pos - 1)
         ctx = DFlashContext(position_ids=pos, cache=view, kv_len=int(view.lengths.max()))
-        _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx)
+        _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx, head_rows=slice(1, k + 1))
         st.count_draft(1)
         if self.tree is not None:
-            return self.tree.draft(logits[:, 1:], self.level_nodes(level))
-        tokens = logits[:, 1:].argmax(-1)
+            return self.tree.draft(logits, self.level_nodes(level))
+        tokens = logits.argmax(-1)
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool))
 
     def check_row(self, prompt, sp) -> None:
