@@ -505,6 +505,7 @@ def test_benchmark_adaptive_rows_with_the_stepwise_draft_catch_up_side_by_side(l
 def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
     """benchmark(draft_prompt_tokens=[W]): the EAGLE and P-EAGLE methods (an extra model's too) run once more with
     the draft reading each prompt's last W tokens (<method>+dpt=W, and +adaptive+dpt=W with adaptive), DFlash not;
+    with adaptive, the extra models' methods also run adaptive (<method>+adaptive);
     every row our AR tokens, the option recorded; the CLI flag reaches it."""
     from nemo_spec.inference import benchmark as bench
 
@@ -516,7 +517,10 @@ def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
     got = {r["method"]: r for r in res["rows"]}
     assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+dpt=3", "eagle+adaptive+dpt=3", "eagle_tree",
                         "eagle_tree+adaptive", "eagle_tree+dpt=3", "eagle_tree+adaptive+dpt=3", "peagle",
-                        "peagle+dpt=3", "peagle_tree", "peagle_tree+dpt=3", "dflash", "dflash_tree"}
+                        "peagle+adaptive", "peagle+dpt=3", "peagle_tree", "peagle_tree+adaptive", "peagle_tree+dpt=3",
+                        "dflash", "dflash+adaptive", "dflash_tree", "dflash_tree+adaptive"}
+    assert got["dflash+adaptive"]["options"]["adaptive"] is True and "adaptive" not in got["dflash"]["options"]
+    assert "- dflash+adaptive batch 2 chose (steps per draft size): " in bench.to_markdown(res)
     assert got["eagle+dpt=3"]["options"]["draft_prompt_tokens"] == 3 and res["config"]["draft_prompt_tokens"] == [3]
     assert got["peagle_tree+dpt=3"]["options"]["draft_prompt_tokens"] == 3
     assert got["eagle_tree+adaptive+dpt=3"]["options"]["adaptive"] is True

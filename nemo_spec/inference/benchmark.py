@@ -174,7 +174,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     ``eagle_tree`` — the chain's length is ``num_draft_tokens``, not the tree's depth; ``suffix_options`` only
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
-    With ``adaptive`` every speculative method also runs as ``<method>+adaptive`` (draft size chosen per step);
+    With ``adaptive`` every speculative method (the extra models' too) also runs as ``<method>+adaptive`` (draft
+    size chosen per step);
     with ``eager_catchup`` too, the EAGLE methods also run adaptive with their draft caught up after every step
     (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay a draft forward, as before the
     deferred catch-up);
@@ -253,6 +254,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             for b in batch_sizes:
                 jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
                     _relabel, label, ours, extra, prompts, m, b, max_new_tokens, None, opts)))
+                if adaptive:
+                    jobs.append((f"nemo_spec {label}+adaptive batch {b}", functools.partial(
+                        _relabel, f"{label}+adaptive", ours, extra, prompts, m, b, max_new_tokens, None,
+                        {**(opts or {}), "adaptive": True})))
                 for w in (draft_prompt_tokens if m in WINDOWED else ()):
                     jobs.append((f"nemo_spec {label}+dpt={w} batch {b}", functools.partial(
                         _relabel, f"{label}+dpt={w}", ours, extra, prompts, m, b, max_new_tokens, None,
