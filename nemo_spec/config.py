@@ -192,8 +192,9 @@ class SpeculativeConfig:
     loss_decay_gamma: Optional[float] = None  # DFlash: CE weight exp(-(k-1)/gamma) of slot k; None -> by block size
     #: DFlash training labels of slot k: "base" -- the base's own next token at p + k (the argmax of its logits at
     #: p + k - 1 over the sequence); "rollout" -- the k-th token of the base's greedy continuation of x_{<=p} (what
-    #: a drafted block must reproduce; per step one more cached base forward over the sequence and B - 2
-    #: one-token base forwards per anchor; not under expert parallelism); "data" -- the sequence's
+    #: a drafted block must reproduce; per step B - 2 one-token base forwards per anchor after the sequence,
+    #: whose keys/values come from the training forward (offline: one more base forward); not under expert
+    #: parallelism); "data" -- the sequence's
     #: x_{p+k} (the reference's CE, right when the data is the base's own generations)
     dflash_targets: str = "base"
 

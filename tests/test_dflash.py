@@ -206,6 +206,49 @@ def test_rollout_labels_are_the_bases_greedy_continuation_of_each_anchor():
                     assert got[r, n].tolist() == want, (r, p)
 
 
+def test_rollout_labels_continue_the_training_forwards_keys_and_values(monkeypatch):
+    """Online training: the rollouts start from the keys/values the training base forward captured (every layer,
+    rotated), not from a second base forward over the sequence, and give the same labels and loss."""
+    import nemo_spec.models as M
+    import nemo_spec.speculative.dflash as D
+    from nemo_spec.speculative.losses import base_outputs
+
+    m = _model(seed=8, block_size=5, dflash_targets="rollout")
+    ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(3))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[1, 4:] = False
+    anchors, keep = D.sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    kv = {}
+    with torch.no_grad():
+        first = base_outputs(m, ids, capture_kv=kv).logits.argmax(-1)[torch.arange(2)[:, None], anchors]
+        assert sorted(kv) == [0, 1, 2, 3] and kv[0][0].shape[2] == 13
+        want = D.rollout_labels(m, ids, anchors, first, 3)
+        fwd, seq_reads = M.gpt_forward, []
+
+        def counted(gpt, input_ids, *a, **k):
+            seq_reads.append(input_ids.shape[1] == 13)
+            return fwd(gpt, input_ids, *a, **k)
+
+        monkeypatch.setattr(M, "gpt_forward", counted)
+        got = D.rollout_labels(m, ids, anchors, first, 3, seq_kv=kv)
+    assert torch.equal(got, want) and len(seq_reads) == 3 and not any(seq_reads)
+    monkeypatch.setattr(M, "gpt_forward", fwd)
+
+    # training_losses hands the captured keys/values to the rollouts; dropping them changes nothing but the cost
+    roll, given = D.rollout_labels, []
+
+    def spy(model, input_ids, anchors, first, steps, seq_kv=None, drop=False):
+        given.append(len(seq_kv or {}))
+        return roll(model, input_ids, anchors, first, steps, None if drop else seq_kv)
+
+    monkeypatch.setattr(D, "rollout_labels", spy)
+    with torch.no_grad():
+        loss = m.training_losses(ids, lm, generator=torch.Generator().manual_seed(1))["loss"]
+        monkeypatch.setattr(D, "rollout_labels", lambda *a, **k: spy(*a, **k, drop=True))
+        again = m.training_losses(ids, lm, generator=torch.Generator().manual_seed(1))["loss"]
+    assert given == [4, 4] and torch.equal(loss, again)
+
+
 def test_rollout_labels_refuse_expert_parallelism_and_overlong_rows(monkeypatch):
     from nemo_spec import parallel
     from nemo_spec.speculative.dflash import rollout_labels

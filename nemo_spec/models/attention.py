@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +213,10 @@ class AttnContext:
     #: (True/False), the write slots of a single row are consecutive from this slot (int, or -1: they are not)
     mask_all: Optional[bool] = None
     first_write: Optional[int] = None
+    #: when a dict: every layer of nemo_spec's core attention records its rotated keys/values [b, g, kv, d] here
+    #: by 0-based layer index (a training forward whose sequence a later cached pass continues: DFlash rollouts)
+    capture_kv: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = field(default=None, repr=False,
+                                                                               compare=False)
 
     def sdpa_mask(self) -> Optional[torch.Tensor]:
         """``mask`` as SDPA's [b, 1, q, kv]; None when it allows everything (a batch-1 decode step), which lets
@@ -327,6 +331,8 @@ class SDPACoreAttention(MegatronModule):
                     cs = rope_cos_sin(pos, self.inv_freq)
                 q = apply_rope(q, pos, self.inv_freq, cs)
                 k = apply_rope(k, pos, self.inv_freq, cs)
+        if ctx is not None and ctx.capture_kv is not None:
+            ctx.capture_kv[self.layer_number - 1] = (k, v)
         mask = None
         is_causal = False
         if ctx is not None and ctx.cache is not None:

@@ -360,14 +360,15 @@ def base_argmax(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first: torch.Tensor,
-                   steps: int) -> torch.Tensor:
+                   steps: int, seq_kv: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
     """The base's own greedy continuation of every anchor: labels [b, N, steps + 1] where [..., 0] is ``first``
     (its argmax after x_{<=p}) and [..., j] the argmax after x_{<=p}, y_1 .. y_j -- what greedy decoding from the
     anchor generates, which a block slot has to reproduce (it sees x_p and the context before it, never the
     data tokens after p).
 
-    One cached base forward over the sequence (the training forward keeps no cache, so the sequence is read twice;
-    offline training runs the base decoder here too), then ``steps`` forwards of one token per anchor: all anchors
+    The sequence's keys/values come from ``seq_kv`` (the training base forward's, by layer: see
+    ``AttnContext.capture_kv``) when it holds every layer, else from a cached base forward over the sequence
+    (offline training, a base of another layer spec); then ``steps`` forwards of one token per anchor: all anchors
     of a row roll out side by side in the cache, each query seeing the sequence up to its anchor and its own
     rollout; their argmax is taken a row block of logits at a time. Refused under expert parallelism (the
     anchor counts differ between EP ranks; their token dispatch needs equal counts)."""
@@ -391,9 +392,14 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
     slot = torch.arange(s + steps * N, device=dev)
     pos = torch.arange(s, device=dev)[None].expand(b, s)
     with torch.no_grad():
-        causal = (slot[None, :s, None] >= slot[None, None, :s]).expand(b, s, s)
-        gpt_forward(gpt, input_ids, AttnContext(position_ids=pos, mask=causal, cache=cache, write_slots=pos,
-                                                kv_len=s), compute_logits=False)
+        if seq_kv is not None and len(seq_kv) == cache.k.shape[0]:
+            for i, (k, v) in seq_kv.items():  # [b, g, s, d] -> the cache's [b, s, g, d]
+                cache.k[i, :, :s] = k.transpose(1, 2)
+                cache.v[i, :, :s] = v.transpose(1, 2)
+        else:
+            causal = (slot[None, :s, None] >= slot[None, None, :s]).expand(b, s, s)
+            gpt_forward(gpt, input_ids, AttnContext(position_ids=pos, mask=causal, cache=cache, write_slots=pos,
+                                                    kv_len=s), compute_logits=False)
         n = torch.arange(N, device=dev)
         for j in range(1, steps + 1):
             kv = s + j * N
@@ -411,7 +417,8 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
 
 def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, num_anchors: Optional[int] = None,
                   generator: Optional[torch.Generator] = None, return_logits: bool = False,
-                  token_loss: bool = False) -> Dict[str, object]:
+                  token_loss: bool = False,
+                  seq_kv: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Dict[str, object]:
     """DFlash loss: weighted CE of slot k >= 1 of every anchored block against its label, weight
     ``exp(-(k-1)/gamma) * loss_mask[p+k]``, normalised by the weights (SpecForge dflash_family_model.py:332-461).
 
@@ -420,6 +427,9 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     token greedy decoding would take after x_{<=p+k-1}, which teaches it the base. They agree on data the base
     generated greedily; on other text (the recipe's plain-text data) only the base's labels teach what
     verification accepts (on the quickstart base: validation tau 3.1 against 1.7 after the same 229 s).
+
+    ``seq_kv``: the base forward's keys/values by layer, which ``rollout`` labels continue (see
+    :func:`rollout_labels`; None: they run the sequence through the base once more).
 
     Returns {"loss", "step_losses" / "step_acc" (per slot k = 1..B-1), "num_elements", (+ "token_loss" [b, s]
     by megatron label position p + k - 1, weighted, unnormalised)}.
@@ -449,7 +459,7 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
         target = base_argmax(model, out.hidden)[rows[:, :, None], (labc - 1).clamp(min=0)]
     elif sc.dflash_targets == "rollout":  # the base's greedy continuation of x_{<=p}: slot k = its k-th token
         first = base_argmax(model, out.hidden[rows, anchors])  # the anchors' rows only
-        target = torch.cat([first[..., None], rollout_labels(model, input_ids, anchors, first, B - 2)], -1)
+        target = torch.cat([first[..., None], rollout_labels(model, input_ids, anchors, first, B - 2, seq_kv)], -1)
     else:
         target = input_ids[rows[:, :, None], labc]
     decay = torch.exp(-(offs - 1).clamp(min=0).float() / gamma)

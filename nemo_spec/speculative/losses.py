@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from nemo_spec.models.attention import AttnContext
 from nemo_spec.models.gpt import GPTOutput, gather_vocab, gpt_forward, model_config, output_logits
 from nemo_spec.speculative.eagle import TTTContext, ttt_mask
 
@@ -113,11 +114,19 @@ def shift_left(x: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
 REFERENCE_FORMULATION = False
 
 
-def base_outputs(model, input_ids: torch.Tensor, compute_logits: bool = True) -> GPTOutput:
+def base_outputs(model, input_ids: torch.Tensor, compute_logits: bool = True,
+                 capture_kv: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> GPTOutput:
     """Frozen base forward (no grad, causal attention without an explicit mask) with the auxiliary layers the
-    draft needs and, with ``compute_logits``, gathered full-vocabulary logits for every position."""
+    draft needs and, with ``compute_logits``, gathered full-vocabulary logits for every position. ``capture_kv``
+    (a dict) receives each layer's rotated keys/values (see ``AttnContext.capture_kv``; empty for a base of
+    another layer spec)."""
+    ctx = None
+    if capture_kv is not None:
+        b, s = input_ids.shape
+        ctx = AttnContext(position_ids=torch.arange(s, device=input_ids.device)[None].expand(b, s),
+                          capture_kv=capture_kv)
     with torch.no_grad():
-        return gpt_forward(model.gpt, input_ids, aux_layers=model.aux_layers, compute_logits=compute_logits,
+        return gpt_forward(model.gpt, input_ids, ctx, aux_layers=model.aux_layers, compute_logits=compute_logits,
                            gather=True)
 
 

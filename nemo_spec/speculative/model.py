@@ -241,8 +241,11 @@ class SpeculativeGPT(MegatronModule):
             raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         # EAGLE-3 needs the base logits only row block by row block (eagle3_targets computes them from the
         # final hidden states), so the [b, s, V] tensor is not built for it
+        # DFlash rollouts continue the sequence in a KV cache: the online base forward's keys/values fill it
+        seq_kv = {} if (base_out is None and self.algorithm == "dflash"
+                        and self.spec_config.dflash_targets == "rollout") else None
         out = base_out if base_out is not None else losses.base_outputs(
-            self, input_ids, compute_logits=self._base_logits_needed())
+            self, input_ids, compute_logits=self._base_logits_needed(), capture_kv=seq_kv)
         if self.algorithm == "eagle1":
             return losses.eagle1_losses(self, input_ids, loss_mask, out, ce_weight=eagle1_ce_weight,
                                         return_logits=return_logits, token_loss=token_loss)
@@ -255,7 +258,7 @@ class SpeculativeGPT(MegatronModule):
             from nemo_spec.speculative.dflash import dflash_losses
 
             return dflash_losses(self, input_ids, loss_mask, out, generator=generator, return_logits=return_logits,
-                                 token_loss=token_loss)
+                                 token_loss=token_loss, seq_kv=seq_kv)
         if self.algorithm == "eagle3":
             return losses.eagle3_losses(self, input_ids, loss_mask, out, ttt_steps or self.spec_config.ttt_steps,
                                         decay=decay, return_logits=return_logits, token_loss=token_loss)
