@@ -394,6 +394,62 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
 
 
+@pytest.mark.parametrize("method,chunk", [("dflash", None), ("dflash_tree", None), ("dflash", 2)])
+def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_draft(method, chunk):
+    """A level-0 step drafts nothing, so DFlash keeps that position's base features and injects a run of them in
+    one write when a later step drafts, or once lazy_draft_steps of them piled up; a prompt's injection waits for
+    the row's first drafting step the same way (``chunk``: prompts prefilled a few tokens at a time). Against
+    injecting after every step (lazy_draft_steps=0), under the same level schedule with rows joining, leaving and
+    swapping slots: every proposed block is the same, greedy rows == AR, sampled rows the same tokens; fewer
+    injections; the controller is told the deferred steps, the stats the deferred prefill."""
+    import nemo_spec.speculative.dflash as D
+    from tests.speculative_utils import make_spec
+
+    spec = make_spec(tiny_llama(num_layers=4), "dflash").eval()
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]]
+    sp = [SamplingParams(max_new_tokens=20 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(5)]
+    schedule = [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]  # runs of 0s longer than the cap too
+    writes, write = [], D.DFlashDraft.write_context
+
+    def counted(self, cache, fused, counts):
+        writes.append(fused.shape[1])
+        return write(self, cache, fused, counts)
+
+    def run(lazy):
+        writes.clear()
+        sess = Session(spec, method, options={"ignore_eos": True, "lazy_draft_steps": lazy}, max_batch=3,
+                       adaptive=True, prefill_chunk_tokens=chunk)
+        sess.adaptive = ScriptedLevels(schedule)
+        trees, propose = [], sess.proposer.propose
+
+        def record(s, st, level=None):
+            t = propose(s, st, level)
+            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone()))
+            return t
+
+        sess.proposer.propose = record
+        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(D.DFlashDraft, "write_context", counted)
+            sess.run()
+        return [sess.result(h) for h in hs], trees, sess.adaptive.deferred, len(writes), sess.stats()
+
+    eager, eager_trees, eager_def, eager_writes, eager_st = run(0)
+    lazy, lazy_trees, lazy_def, lazy_writes, lazy_st = run(3)
+    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
+                  options={"ignore_eos": True})
+    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
+    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
+                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
+    assert len(lazy_trees) == len(eager_trees) > len(schedule)
+    for (la, lt, lp), (ea, et, ep) in zip(lazy_trees, eager_trees):
+        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None)
+        assert lp is None or torch.equal(lp, ep)
+    assert not eager_def and lazy_def and max(lazy_def) <= 3  # injected after at most 3 level-0 steps
+    assert lazy_writes < eager_writes
+    assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts waited
+
+
 def test_deferred_draft_prefill_reads_only_the_joining_rows():
     """Under adaptive speculation a row's draft prefill waits for its first drafting step; when a row joins a
     running batch, that catch-up reads the prompt over the joining row's slot only (not padded over every decode

@@ -29,6 +29,10 @@ def opt_float(options: Dict[str, Any], key: str, default: float) -> float:
     return float(v)
 
 
+#: level-0 steps whose draft work (EAGLE's catch-up forward, DFlash's context injection) may wait to be done in
+#: one go by the next drafting step (0: after every step)
+DEFAULT_LAZY_DRAFT_STEPS = 32
+
 # Greedy rows rank EAGLE-2 tree candidates at this draft temperature (see EagleProposer._score_temperatures).
 DEFAULT_SCORE_TEMPERATURE = 0.2
 

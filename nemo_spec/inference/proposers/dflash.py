@@ -14,6 +14,12 @@ token j by argmax, as the reference drafts (model.py:121, also when the target s
 deterministic: the tree carries no q (one-hot q), under which the engine's rejection rule accepts draft x with
 probability p(x) and resamples from p without x: lossless.
 
+Under adaptive speculation a step at level 0 drafts nothing, so injecting its position is put off, as EAGLE's
+catch-up is (``lazy_draft_steps``, :mod:`~.eagle`): each row's base features of such steps wait in a per-slot
+buffer and are injected in one ``write_context`` when a later step drafts (or the buffer is full), so a level-0
+step costs what an AR step costs; the controller is charged the deferred work at level 0. A prompt's injection
+waits the same way for the row's first drafting step, so rows the controller never drafts for never pay it.
+
 ``dflash_tree`` (beyond the references, which verify the chain): the block's per-slot distributions expanded into
 a static tree of top-k ranks (:class:`~.common.StaticTree`, option ``tree_choices``, default
 :func:`~nemo_spec.inference.trees.parallel_tree_choices`), still one draft forward per step; distinct
@@ -22,14 +28,15 @@ deterministic siblings are verified losslessly by the same rule.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import ParallelLevels, opt_int, swap_rows
+from nemo_spec.inference.proposers.common import DEFAULT_LAZY_DRAFT_STEPS, ParallelLevels, opt_int, swap_rows
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.models import model_config
 
@@ -57,10 +64,21 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         self.mask_token_id = int(draft.mask_token_id)
         self.max_pos = model_config(self.spec).max_position_embeddings
         self.last_tok: Optional[torch.Tensor] = None
+        self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
+        self.deferred_f: Optional[torch.Tensor] = None  # [slots, lazy_steps, F]: base features of level-0 steps
+        self.deferred_n: List[int] = []  # per slot: level-0 positions waiting in deferred_f
+        self._deferring = False  # this step drafts nothing (level 0): accepted() defers the injection
+        self._deferred_cost: Tuple[float, int, float] = (0.0, 0, 0.0)  # catch-up seconds, level-0 steps, prefill s
+        self.prompt_f: List[List[torch.Tensor]] = []  # per slot: base features [c, F] of prompt chunks to inject
 
     def draft_forwards(self, level: int) -> int:
         """One block forward per step (none at level 0)."""
         return 1 if self.level_nodes(level) > 0 else 0
+
+    def take_deferred_cost(self) -> Tuple[float, int, float]:
+        """(seconds, level-0 steps, prefill seconds) of the deferred injections run since the last call."""
+        out, self._deferred_cost = self._deferred_cost, (0.0, 0, 0.0)
+        return out
 
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
@@ -69,38 +87,99 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
                                        lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.slots = sess.slots
         self.last_tok = torch.zeros(sess.slots, dtype=torch.long, device=sess.device)
+        self.deferred_f = None
+        self.deferred_n = [0] * sess.slots
+        self._deferring = False
+        self._deferred_cost = (0.0, 0, 0.0)
+        self.prompt_f = [[] for _ in range(sess.slots)]
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's injected context."""
         self.cache.lengths[slot] = 0
         self.cache.starts[slot] = 0
+        self.deferred_n[slot] = 0
+        self.prompt_f[slot] = []
 
     def release(self, sess: Any, slot: int, row: Any) -> None:
-        """Nothing per row beyond the cache row (reset on admit)."""
+        """Forget the slot's deferred positions (the cache row is reset on admit)."""
+        self.deferred_n[slot] = 0
+        self.prompt_f[slot] = []
 
     def swap(self, i: int, j: int, used: int) -> None:
-        """Exchange the two slots' context rows and anchors."""
+        """Exchange the two slots' context rows, anchors and deferred positions."""
         self.cache.swap_rows(i, j, used + self.extra_slots)
         swap_rows(self.last_tok, i, j)
+        swap_rows(self.deferred_f, i, j)
+        self.deferred_n[i], self.deferred_n[j] = self.deferred_n[j], self.deferred_n[i]
+        self.prompt_f[i], self.prompt_f[j] = self.prompt_f[j], self.prompt_f[i]
 
     # ---- context injection -----------------------------------------------------------------------------------
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
-        """Inject the chunk's prompt positions; a completed prompt's first generated token becomes its anchor."""
-        fused = self.features(ch.out)
-        dev = fused.device
-        view = self.cache.view(ch.lo, ch.hi)
-        self.spec.eagle_module.write_context(view, fused, tensor(ch.counts, dev))
+        """Inject the chunk's prompt positions (under adaptive speculation: keep them for the row's first drafting
+        step); a completed prompt's first generated token becomes its anchor."""
+        if self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None:
+            feats = self.spec.base_features(ch.out)
+            for i, c in enumerate(ch.counts):
+                if c:
+                    self.prompt_f[ch.lo + i].append(feats[i, :c].clone())
+        else:
+            fused = self.features(ch.out)
+            self.spec.eagle_module.write_context(self.cache.view(ch.lo, ch.hi), fused,
+                                                 tensor(ch.counts, fused.device))
         for i, (f, c) in enumerate(zip(ch.final, ch.counts)):
             if f and c > 0:
                 self.last_tok[ch.lo + i] = ch.next_ids[i, c - 1]
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
-        """Inject the verified path's positions (root + accepted drafts); the bonus token becomes the anchor."""
-        path_feats = self.path_features(res)
-        b, dev = st.b, path_feats.device
-        self.spec.eagle_module.write_context(self.cache.view(0, b), path_feats,
-                                             tensor([len(p) for p in res.paths], dev))
-        self.last_tok[:b] = tensor([em[-1] for em in res.emitted], dev)
+        """Inject the verified path's positions (root + accepted drafts); the bonus token becomes the anchor.
+        After a level-0 step (every path is its root) the position's base features wait for a later injection."""
+        b = st.b
+        if self._deferring:
+            self._defer(b, self.spec.base_features(res.out)[:, 0])
+        else:
+            path_feats = self.path_features(res)
+            self.spec.eagle_module.write_context(self.cache.view(0, b), path_feats,
+                                                 tensor([len(p) for p in res.paths], path_feats.device))
+        self.last_tok[:b] = tensor([em[-1] for em in res.emitted], self.last_tok.device)
+
+    def _defer(self, b: int, f: torch.Tensor) -> None:
+        """Keep each decode row's base features [b, F] (before the draft's fc) of a level-0 step; inject the
+        buffer first when it is full."""
+        if self.deferred_f is None:
+            self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
+        if max(self.deferred_n[:b]) >= self.lazy_steps:
+            self._catch_up(b)
+        n = self.deferred_n[:b]
+        self.deferred_f[torch.arange(b, device=f.device), tensor(n, f.device)] = f
+        for r in range(b):
+            self.deferred_n[r] += 1
+
+    def _catch_up(self, b: int) -> None:
+        """Inject every decode row's deferred positions, in order: its waiting prompt (one write over the slots
+        that have one), then its level-0 steps' (one write; they follow the row's injected context)."""
+        t0 = time.perf_counter()
+        prompt = [sum(int(f.shape[0]) for f in pf) for pf in self.prompt_f[:b]]
+        if any(prompt):
+            lo = next(r for r in range(b) if prompt[r])
+            hi = max(r for r in range(b) if prompt[r]) + 1
+            f0 = next(f for pf in self.prompt_f[lo:hi] for f in pf)
+            feats = f0.new_zeros(hi - lo, max(prompt), f0.shape[-1])
+            for r in range(lo, hi):
+                if prompt[r]:
+                    feats[r - lo, :prompt[r]] = torch.cat(self.prompt_f[r])
+                self.prompt_f[r] = []
+            self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
+                                                 tensor(prompt[lo:hi], f0.device))
+        pre = time.perf_counter() - t0  # the prompts: draft prefill, not level-0 work
+        n = self.deferred_n[:b]
+        K = max(n)
+        if K:
+            fused = self.spec.fuse(self.deferred_f[:b, :K])
+            self.spec.eagle_module.write_context(self.cache.view(0, b), fused, tensor(n, fused.device))
+            for r in range(b):
+                self.deferred_n[r] = 0
+        s, k, p = self._deferred_cost
+        self._deferred_cost = (s + time.perf_counter() - t0 - pre, k + K, p + pre)
 
     # ---- the one forward ---------------------------------------------------------------------------------------
     def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
@@ -110,8 +189,11 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         dev = sess.device
         b = st.b
         k = self.level_depth(level)
+        self._deferring = k == 0 and self.lazy_steps > 0
         if k == 0:
             return DraftTree.empty(b, dev)
+        if any(self.deferred_n[:b]) or any(self.prompt_f[:b]):
+            self._catch_up(b)
         # The block is never shorter than the one the draft was trained with: its slots attend to each other
         # (bidirectionally), so [anchor, MASK x k] with k < B - 1 changes every slot's prediction (acceptance fell
         # from tau 4 to ~1.7 on the quickstart's draft). Fewer draft tokens = the same block, its first k slots.

@@ -24,16 +24,12 @@ import torch
 from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import (DEFAULT_SCORE_TEMPERATURE, PromptWindow, chain_block, chain_levels,
-                                                  choose, last_valid, level_index, opt_float, opt_int, set_rows,
-                                                  stack_q, swap_rows)
+from nemo_spec.inference.proposers.common import (DEFAULT_LAZY_DRAFT_STEPS, DEFAULT_SCORE_TEMPERATURE, PromptWindow,
+                                                  chain_block, chain_levels, choose, last_valid, level_index,
+                                                  opt_float, opt_int, set_rows, stack_q, swap_rows)
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import block_context, pad_chains, select_tree
-
-#: level-0 steps whose draft catch-up may wait for one joint forward (0: catch up after every step)
-DEFAULT_LAZY_DRAFT_STEPS = 32
-
 
 class EagleProposer(PromptWindow, SpecModelProposer):
     """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
