@@ -206,14 +206,17 @@ def test_rollout_labels_are_the_bases_greedy_continuation_of_each_anchor():
                     assert got[r, n].tolist() == want, (r, p)
 
 
-def test_rollout_labels_continue_the_training_forwards_keys_and_values(monkeypatch):
+@pytest.mark.parametrize("window", [None, 3])
+def test_rollout_labels_continue_the_training_forwards_keys_and_values(monkeypatch, window):
     """Online training: the rollouts start from the keys/values the training base forward captured (every layer,
-    rotated), not from a second base forward over the sequence, and give the same labels and loss."""
+    rotated, compact copies), not from a second base forward over the sequence, and give the same labels and loss
+    -- also on a sliding-window base, whose rollout masks read the sequence's positions in the cache."""
     import nemo_spec.models as M
     import nemo_spec.speculative.dflash as D
     from nemo_spec.speculative.losses import base_outputs
 
-    m = _model(seed=8, block_size=5, dflash_targets="rollout")
+    cfg = tiny_llama(num_layers=4, init_method_std=0.1, sliding_window=window)
+    m = _model(seed=8, base_cfg=cfg, block_size=5, dflash_targets="rollout")
     ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(3))
     lm = torch.ones_like(ids, dtype=torch.bool)
     lm[1, 4:] = False
@@ -222,6 +225,7 @@ def test_rollout_labels_continue_the_training_forwards_keys_and_values(monkeypat
     with torch.no_grad():
         first = base_outputs(m, ids, capture_kv=kv).logits.argmax(-1)[torch.arange(2)[:, None], anchors]
         assert sorted(kv) == [0, 1, 2, 3] and kv[0][0].shape[2] == 13
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for kv_ in kv.values() for t in kv_)
         want = D.rollout_labels(m, ids, anchors, first, 3)
         fwd, seq_reads = M.gpt_forward, []
 
@@ -231,7 +235,7 @@ def test_rollout_labels_continue_the_training_forwards_keys_and_values(monkeypat
 
         monkeypatch.setattr(M, "gpt_forward", counted)
         got = D.rollout_labels(m, ids, anchors, first, 3, seq_kv=kv)
-    assert torch.equal(got, want) and len(seq_reads) == 3 and not any(seq_reads)
+    assert torch.equal(got, want) and len(seq_reads) == 3 and not any(seq_reads) and not kv  # consumed
     monkeypatch.setattr(M, "gpt_forward", fwd)
 
     # training_losses hands the captured keys/values to the rollouts; dropping them changes nothing but the cost

@@ -517,8 +517,9 @@ def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
     got = {r["method"]: r for r in res["rows"]}
     assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+dpt=3", "eagle+adaptive+dpt=3", "eagle_tree",
                         "eagle_tree+adaptive", "eagle_tree+dpt=3", "eagle_tree+adaptive+dpt=3", "peagle",
-                        "peagle+adaptive", "peagle+dpt=3", "peagle_tree", "peagle_tree+adaptive", "peagle_tree+dpt=3",
-                        "dflash", "dflash+adaptive", "dflash_tree", "dflash_tree+adaptive"}
+                        "peagle+adaptive", "peagle+dpt=3", "peagle+adaptive+dpt=3", "peagle_tree",
+                        "peagle_tree+adaptive", "peagle_tree+dpt=3", "peagle_tree+adaptive+dpt=3", "dflash",
+                        "dflash+adaptive", "dflash_tree", "dflash_tree+adaptive"}
     assert got["dflash+adaptive"]["options"]["adaptive"] is True and "adaptive" not in got["dflash"]["options"]
     assert "- dflash+adaptive batch 2 chose (steps per draft size): " in bench.to_markdown(res)
     assert got["eagle+dpt=3"]["options"]["draft_prompt_tokens"] == 3 and res["config"]["draft_prompt_tokens"] == [3]

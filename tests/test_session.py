@@ -394,8 +394,19 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
 
 
-@pytest.mark.parametrize("method,chunk", [("dflash", None), ("dflash_tree", None), ("dflash", 2)])
-def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_draft(method, chunk):
+DFLASH_ROWS = {  # prompts, budgets, level schedule
+    "mixed": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]],
+              [20, 23, 26, 29, 32], [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]),
+    # short rows under long level-0 runs: slots holding deferred positions / waiting prompts are swapped
+    "swaps": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1],
+               [3, 3, 2, 9, 8, 1, 4]], [9, 4, 13, 6, 11, 7], [0] * 7 + [3] + [0] * 9 + [1]),
+}
+
+
+@pytest.mark.parametrize("method,chunk,rows", [("dflash", None, "mixed"), ("dflash_tree", None, "mixed"),
+                                               ("dflash", 2, "mixed"), ("dflash", None, "swaps"),
+                                               ("dflash", 2, "swaps")])
+def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_draft(method, chunk, rows):
     """A level-0 step drafts nothing, so DFlash keeps that position's base features and injects a run of them in
     one write when a later step drafts, or once lazy_draft_steps of them piled up; a prompt's injection waits for
     the row's first drafting step the same way (``chunk``: prompts prefilled a few tokens at a time). Against
@@ -406,9 +417,8 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(num_layers=4), "dflash").eval()
-    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]]
-    sp = [SamplingParams(max_new_tokens=20 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(5)]
-    schedule = [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]  # runs of 0s longer than the cap too
+    prompts, budgets, schedule = DFLASH_ROWS[rows]  # runs of 0s longer than the cap too
+    sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
     writes, write = [], D.DFlashDraft.write_context
 
     def counted(self, cache, fused, counts):
@@ -428,20 +438,31 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
             return t
 
         sess.proposer.propose = record
+        p, swap = sess.proposer, sess.proposer.swap
+
+        def swap_spy(i, j, used):  # slots exchanged while holding deferred work
+            swapped.append(i != j and bool(p.prompt_f[i] or p.prompt_f[j] or p.deferred_n[i] or p.deferred_n[j]))
+            swap(i, j, used)
+
+        sess.proposer.swap = swap_spy
         hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(D.DFlashDraft, "write_context", counted)
             sess.run()
         return [sess.result(h) for h in hs], trees, sess.adaptive.deferred, len(writes), sess.stats()
 
+    swapped = []
     eager, eager_trees, eager_def, eager_writes, eager_st = run(0)
+    assert not any(swapped)
     lazy, lazy_trees, lazy_def, lazy_writes, lazy_st = run(3)
+    if rows == "swaps":
+        assert any(swapped)
     ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
                   options={"ignore_eos": True})
     assert [r.tokens for r in lazy] == [r.tokens for r in eager]
     assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
                                                               zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
-    assert len(lazy_trees) == len(eager_trees) > len(schedule)
+    assert len(lazy_trees) == len(eager_trees) >= len(schedule)
     for (la, lt, lp), (ea, et, ep) in zip(lazy_trees, eager_trees):
         assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None)
         assert lp is None or torch.equal(lp, ep)

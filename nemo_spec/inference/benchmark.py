@@ -259,9 +259,11 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                         _relabel, f"{label}+adaptive", ours, extra, prompts, m, b, max_new_tokens, None,
                         {**(opts or {}), "adaptive": True})))
                 for w in (draft_prompt_tokens if m in WINDOWED else ()):
-                    jobs.append((f"nemo_spec {label}+dpt={w} batch {b}", functools.partial(
-                        _relabel, f"{label}+dpt={w}", ours, extra, prompts, m, b, max_new_tokens, None,
-                        {**(opts or {}), "draft_prompt_tokens": int(w)})))
+                    for ad in ((False, True) if adaptive else (False,)):
+                        lw = f"{label}{'+adaptive' if ad else ''}+dpt={w}"
+                        jobs.append((f"nemo_spec {lw} batch {b}", functools.partial(
+                            _relabel, lw, ours, extra, prompts, m, b, max_new_tokens, None,
+                            {**(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})})))
     pretune_s = pretune_models([model, draft_model, *extra_models], gemm_modes)
     with contextlib.ExitStack() as stack:
         if hf:

@@ -331,8 +331,8 @@ class SDPACoreAttention(MegatronModule):
                     cs = rope_cos_sin(pos, self.inv_freq)
                 q = apply_rope(q, pos, self.inv_freq, cs)
                 k = apply_rope(k, pos, self.inv_freq, cs)
-        if ctx is not None and ctx.capture_kv is not None:
-            ctx.capture_kv[self.layer_number - 1] = (k, v)
+        if ctx is not None and ctx.capture_kv is not None:  # copies: views would keep the whole q/k/v buffers
+            ctx.capture_kv[self.layer_number - 1] = (k.clone(), v.clone())
         mask = None
         is_causal = False
         if ctx is not None and ctx.cache is not None:

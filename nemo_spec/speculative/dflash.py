@@ -367,8 +367,8 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
     data tokens after p).
 
     The sequence's keys/values come from ``seq_kv`` (the training base forward's, by layer: see
-    ``AttnContext.capture_kv``) when it holds every layer, else from a cached base forward over the sequence
-    (offline training, a base of another layer spec); then ``steps`` forwards of one token per anchor: all anchors
+    ``AttnContext.capture_kv``; emptied here) when it holds every layer, else from a cached base forward over the
+    sequence (offline training); then ``steps`` forwards of one token per anchor: all anchors
     of a row roll out side by side in the cache, each query seeing the sequence up to its anchor and its own
     rollout; their argmax is taken a row block of logits at a time. Refused under expert parallelism (the
     anchor counts differ between EP ranks; their token dispatch needs equal counts)."""
@@ -393,9 +393,11 @@ def rollout_labels(model, input_ids: torch.Tensor, anchors: torch.Tensor, first:
     pos = torch.arange(s, device=dev)[None].expand(b, s)
     with torch.no_grad():
         if seq_kv is not None and len(seq_kv) == cache.k.shape[0]:
-            for i, (k, v) in seq_kv.items():  # [b, g, s, d] -> the cache's [b, s, g, d]
+            for i in sorted(seq_kv):  # [b, g, s, d] -> the cache's [b, s, g, d]; each layer's copy freed at once
+                k, v = seq_kv.pop(i)
                 cache.k[i, :, :s] = k.transpose(1, 2)
                 cache.v[i, :, :s] = v.transpose(1, 2)
+            cache.pos[:, :s] = pos  # the positions sliding-window layers mask by
         else:
             causal = (slot[None, :s, None] >= slot[None, None, :s]).expand(b, s, s)
             gpt_forward(gpt, input_ids, AttnContext(position_ids=pos, mask=causal, cache=cache, write_slots=pos,
@@ -443,15 +445,10 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
     anchors, keep = sample_anchors(loss_mask, num_anchors or sc.num_anchors, generator)
     N = anchors.shape[1]
     rows = torch.arange(b, device=dev)[:, None]
-    fused = model.fuse(model.base_features(out))  # [b, s, h]
     block = torch.full((b, N, B), draft.mask_token_id, dtype=torch.long, device=dev)
     block[:, :, 0] = torch.where(keep, input_ids[rows, anchors], block[:, :, 0])
     offs = torch.arange(B, device=dev)
-    pos = (anchors[:, :, None] + offs).reshape(b, N * B)
-    ctx = DFlashContext(position_ids=pos, target=fused.transpose(0, 1),
-                        ctx_position_ids=torch.arange(s, device=dev)[None].expand(b, s),
-                        anchors=anchors, block_valid=keep, block_size=B)
-    hidden, _ = draft(model.gpt, block.reshape(b, N * B), ctx, head=False)
+    # labels first: a rollout's KV cache and forwards are done before the draft's autograd graph exists
     lab = anchors[:, :, None] + offs  # [b, N, B]
     in_seq = lab < s
     labc = lab.clamp(max=s - 1)
@@ -462,6 +459,12 @@ def dflash_losses(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, out, 
         target = torch.cat([first[..., None], rollout_labels(model, input_ids, anchors, first, B - 2, seq_kv)], -1)
     else:
         target = input_ids[rows[:, :, None], labc]
+    pos = (anchors[:, :, None] + offs).reshape(b, N * B)
+    fused = model.fuse(model.base_features(out))  # [b, s, h]
+    ctx = DFlashContext(position_ids=pos, target=fused.transpose(0, 1),
+                        ctx_position_ids=torch.arange(s, device=dev)[None].expand(b, s),
+                        anchors=anchors, block_valid=keep, block_size=B)
+    hidden, _ = draft(model.gpt, block.reshape(b, N * B), ctx, head=False)
     decay = torch.exp(-(offs - 1).clamp(min=0).float() / gamma)
     w = keep[:, :, None].float() * in_seq.float() * (offs > 0).float()[None, None]
     w = w * loss_mask.float()[rows[:, :, None], labc]

@@ -119,7 +119,7 @@ def base_outputs(model, input_ids: torch.Tensor, compute_logits: bool = True,
     """Frozen base forward (no grad, causal attention without an explicit mask) with the auxiliary layers the
     draft needs and, with ``compute_logits``, gathered full-vocabulary logits for every position. ``capture_kv``
     (a dict) receives each layer's rotated keys/values (see ``AttnContext.capture_kv``; empty for a base of
-    another layer spec)."""
+    another layer spec, whose forward is its own)."""
     ctx = None
     if capture_kv is not None:
         b, s = input_ids.shape

@@ -70,6 +70,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the injection
         self._deferred_cost: Tuple[float, int, float] = (0.0, 0, 0.0)  # catch-up seconds, level-0 steps, prefill s
         self.prompt_f: List[List[torch.Tensor]] = []  # per slot: base features [c, F] of prompt chunks to inject
+        self.chunk_tokens = 1 << 30
 
     def draft_forwards(self, level: int) -> int:
         """One block forward per step (none at level 0)."""
@@ -92,6 +93,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         self._deferring = False
         self._deferred_cost = (0.0, 0, 0.0)
         self.prompt_f = [[] for _ in range(sess.slots)]
+        self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))  # positions one catch-up write takes
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:
         """Empty the slot's injected context."""
@@ -159,17 +161,21 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         that have one), then its level-0 steps' (one write; they follow the row's injected context)."""
         t0 = time.perf_counter()
         prompt = [sum(int(f.shape[0]) for f in pf) for pf in self.prompt_f[:b]]
-        if any(prompt):
+        if any(prompt):  # over the slots that have one, at most chunk_tokens positions per write
             lo = next(r for r in range(b) if prompt[r])
             hi = max(r for r in range(b) if prompt[r]) + 1
-            f0 = next(f for pf in self.prompt_f[lo:hi] for f in pf)
-            feats = f0.new_zeros(hi - lo, max(prompt), f0.shape[-1])
+            rows = {r: torch.cat(self.prompt_f[r]) for r in range(lo, hi) if prompt[r]}
             for r in range(lo, hi):
-                if prompt[r]:
-                    feats[r - lo, :prompt[r]] = torch.cat(self.prompt_f[r])
                 self.prompt_f[r] = []
-            self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
-                                                 tensor(prompt[lo:hi], f0.device))
+            f0 = next(iter(rows.values()))
+            width = max(1, self.chunk_tokens // (hi - lo))
+            for j in range(0, max(prompt), width):
+                cj = [min(max(c - j, 0), width) for c in prompt[lo:hi]]
+                feats = f0.new_zeros(hi - lo, max(cj), f0.shape[-1])
+                for r, f in rows.items():
+                    feats[r - lo, :cj[r - lo]] = f[j:j + cj[r - lo]]
+                self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
+                                                     tensor(cj, f0.device))
         pre = time.perf_counter() - t0  # the prompts: draft prefill, not level-0 work
         n = self.deferred_n[:b]
         K = max(n)
@@ -183,7 +189,8 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
 
     # ---- the one forward ---------------------------------------------------------------------------------------
     def propose(self, sess: Any, st: StepState, level: Optional[int] = None) -> DraftTree:
-        """One forward over [anchor, MASK x k] per row; argmax of slots 1..k is the chain."""
+        """One forward over the whole trained block [anchor, MASK x (B - 1)] per row (or longer, when more draft
+        tokens were asked for); argmax of slots 1..k is the chain."""
         from nemo_spec.speculative.dflash import DFlashContext
 
         dev = sess.device
