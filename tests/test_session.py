@@ -394,7 +394,7 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
 
 
-DFLASH_ROWS = {  # prompts, budgets, level schedule
+DEFER_ROWS = {  # prompts, budgets, level schedule
     "mixed": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]],
               [20, 23, 26, 29, 32], [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]),
     # short rows under long level-0 runs: slots holding deferred positions / waiting prompts are swapped
@@ -417,7 +417,7 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(num_layers=4), "dflash").eval()
-    prompts, budgets, schedule = DFLASH_ROWS[rows]  # runs of 0s longer than the cap too
+    prompts, budgets, schedule = DEFER_ROWS[rows]  # runs of 0s longer than the cap too
     sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
     writes, write = [], D.DFlashDraft.write_context
 
@@ -469,6 +469,77 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     assert not eager_def and lazy_def and max(lazy_def) <= 3  # injected after at most 3 level-0 steps
     assert lazy_writes < eager_writes
     assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts waited
+
+
+@pytest.mark.parametrize("method,rows", [("peagle", "mixed"), ("peagle_tree", "mixed"), ("peagle", "swaps")])
+def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows):
+    """P-EAGLE at level 0: the step's pair joins the row's pending pairs (no draft forward) and the next drafting
+    step's one forward reads them all, or one forward once lazy_draft_steps of them piled up. Against a forward
+    at every level-0 step (lazy_draft_steps=0), under the same level schedule with rows joining, leaving and
+    swapping slots: every proposal the same, greedy rows == AR, sampled rows the same tokens; fewer forwards."""
+    from tests.speculative_utils import make_spec
+
+    spec = make_spec(tiny_llama(), "peagle").eval()
+    prompts, budgets, schedule = DEFER_ROWS[rows]
+    sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
+
+    def run(lazy):
+        sess = Session(spec, method, options={"ignore_eos": True, "lazy_draft_steps": lazy}, max_batch=3,
+                       adaptive=True)
+        sess.adaptive = ScriptedLevels(schedule)
+        trees, propose = [], sess.proposer.propose
+
+        def record(s, st, level=None):
+            t = propose(s, st, level)
+            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone(),
+                          None if t.q is None else t.q.clone()))
+            return t
+
+        sess.proposer.propose = record
+        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
+        sess.run()
+        return [sess.result(h) for h in hs], trees, sess.proposer
+
+    eager, eager_trees, eager_p = run(0)
+    lazy, lazy_trees, lazy_p = run(3)
+    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
+                  options={"ignore_eos": True})
+    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
+    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
+                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
+    assert len(lazy_trees) == len(eager_trees) >= len(schedule)
+    for (la, lt, lp, lq), (ea, et, ep, eq) in zip(lazy_trees, eager_trees):
+        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None) and (lq is None) == (eq is None)
+        assert lp is None or torch.equal(lp, ep)
+        assert lq is None or torch.allclose(lq, eq, atol=1e-5)
+    assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
+    assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(2) == 1
+
+
+def test_peagle_pending_pairs_next_to_a_row_at_its_slot_end_fit_the_draft_cache():
+    """A row that joins with a long prompt sits near the end of its slot while another row has many deferred
+    pending pairs: the ragged block's padding must not overflow the draft cache (it did: "need 50 slots, cache has
+    49"); the tokens are AR's and those of a forward at every level-0 step."""
+    from tests.speculative_utils import make_spec
+
+    spec = make_spec(tiny_llama(), "peagle").eval()
+    late = list(range(3, 3 + 34))
+
+    def run(lazy):
+        sess = Session(spec, "peagle", options={"ignore_eos": True, "lazy_draft_steps": lazy}, max_batch=2,
+                       adaptive=True, max_seq_len=40)
+        sess.adaptive = ScriptedLevels([0] * 14 + [3])
+        a = sess.add([1, 2], SamplingParams(max_new_tokens=30))
+        for _ in range(10):
+            sess.step()
+        b = sess.add(late, SamplingParams(max_new_tokens=6))
+        sess.run()
+        return [sess.result(a).tokens, sess.result(b).tokens]
+
+    got = run(12)
+    ar = generate(spec, [[1, 2], late], [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=6)],
+                  options={"ignore_eos": True})
+    assert got == run(0) == [r.tokens for r in ar]
 
 
 def test_deferred_draft_prefill_reads_only_the_joining_rows():

@@ -16,6 +16,11 @@ Each drafted token is drawn from its own distribution q_d (which does not depend
 it); verification by the shared rejection rule is lossless for any such q (speculative sampling needs only
 that token d was drawn from the q_d it reports).
 
+Under adaptive speculation a step at level 0 drafts nothing, so its pair joins the row's pending pairs instead of
+being read by a forward of its own (``lazy_draft_steps``, as EAGLE's catch-up): a run of such steps is read by
+the next drafting step's one forward (or by one forward once the buffer is full), so a level-0 step costs what an
+AR step costs.
+
 ``peagle_tree`` (beyond the references, which verify the chain): the same single forward's per-depth
 distributions expanded into a static tree of top-k ranks (:class:`~.common.StaticTree`, option
 ``tree_choices``, default :func:`~nemo_spec.inference.trees.parallel_tree_choices`): deterministic candidates,
@@ -32,8 +37,8 @@ from nemo_spec.models import model_config
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import (ParallelLevels, PromptWindow, chain_block, choose, opt_int, stack_q,
-                                                  swap_rows)
+from nemo_spec.inference.proposers.common import (DEFAULT_LAZY_DRAFT_STEPS, ParallelLevels, PromptWindow,
+                                                  chain_block, choose, level_index, opt_int, stack_q, swap_rows)
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import pad_chains
 
@@ -62,7 +67,10 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         if tree:
             self.use_tree(options, vd)
         self.max_pos = model_config(self.spec).max_position_embeddings
-        self.width = 2 * self.depth  # pending pairs (<= depth + 1) + mask slots (<= depth - 1)
+        self.lazy_steps = opt_int(options, "lazy_draft_steps", DEFAULT_LAZY_DRAFT_STEPS, lo=0)
+        # pending pairs (<= depth + 1 after a verification, + one per deferred level-0 step) + mask slots (<= depth - 1)
+        self.width = 2 * self.depth + self.lazy_steps
+        self._deferring = False  # this step drafts nothing and reads nothing (level 0): accepted() appends its pair
         self.blk_feat: Optional[torch.Tensor] = None  # [slots, width, h]: pending features, then fc(mask_hidden)
         self.blk_tok: Optional[torch.Tensor] = None  # [slots, width]: pending tokens, then mask_token_id
         self.mask_feat: Optional[torch.Tensor] = None
@@ -70,8 +78,9 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.init_window(options)  # the draft reads at most this many prompt pairs (0: all)
 
     def draft_forwards(self, level: int) -> int:
-        """One forward per step, whatever the level (level 0 still catches the draft up)."""
-        return 1
+        """One forward per drafting step; at level 0 none while its pair can wait (one per step with
+        ``lazy_draft_steps`` 0: the draft is caught up)."""
+        return 0 if level_index(self.levels, level) == 0 and self.lazy_steps > 0 else 1
 
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
@@ -143,9 +152,16 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
-        """The accepted path's base features paired with the emitted tokens become the rows' pending pairs."""
+        """The accepted path's base features paired with the emitted tokens become the rows' pending pairs (after a
+        deferred level-0 step: its one pair is appended to them)."""
         f = self.path_features(res)
         b, K, dev = st.b, f.shape[1], f.device
+        if self._deferring:  # every path is its root: one pair per row, after the row's pending ones
+            at = (torch.arange(b, device=dev), tensor(self.pend_n[:b], dev))
+            self.blk_tok[at] = tensor([e[0] for e in res.emitted], dev)
+            self.blk_feat[at] = f[:, 0]
+            self.pend_n[:b] = [n + 1 for n in self.pend_n[:b]]
+            return
         tok, val = pad_chains(res.emitted, n=K, pad=self.mask_token_id, device=dev)
         self.blk_tok[:b, :K] = tok
         if all(len(e) == K for e in res.emitted):
@@ -161,6 +177,10 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         b = st.b
         k = self.level_depth(level)
         n_pend = self.pend_n[:b]
+        # level 0: the pending pairs wait while one more fits before the mask slots a drafting step needs
+        self._deferring = k == 0 and self.lazy_steps > 0 and max(n_pend) < self.width - max(self.depth - 1, 0)
+        if self._deferring:
+            return DraftTree.empty(b, dev)
         masks = max(k - 1, 0)
         lens = [p + masks for p in n_pend]
         width = max(lens)
@@ -172,7 +192,9 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
                  else torch.ones(b, width, dtype=torch.bool, device=dev))
         tok, feat = self.blk_tok[:b, :width], self.blk_feat[:b, :width]
         view = self.cache.view(0, b)
-        ctx = chain_block(view, tok, valid, self.max_pos, unpadded=self.unpadded,
+        # padded: a ragged block's padding past a row's end goes to the cache's last slot, so a row near the end
+        # of its slot next to one with many (deferred) pending pairs does not overflow the cache
+        ctx = chain_block(view, tok, valid, self.max_pos, unpadded=self.unpadded, padded=ragged,
                           max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
         hid, _ = self.spec.draft_step(tok, feat, ctx, head=False)
         view.lengths += npend
