@@ -482,18 +482,21 @@ def test_benchmark_runs_drafts_of_other_models_side_by_side(llama):
 
 
 def test_benchmark_adaptive_rows_with_the_stepwise_draft_catch_up_side_by_side(llama):
-    """benchmark(adaptive=True, eager_catchup=True): each EAGLE method runs plain, adaptive (deferred catch-up) and
-    adaptive with the draft caught up after every step (lazy_draft_steps=0); all give our AR tokens and report the
-    draft sizes they chose; without eager_catchup there are no stepwise rows."""
+    """benchmark(adaptive=True, eager_catchup=True): each EAGLE method (and an extra model's DFlash methods) runs
+    plain, adaptive (deferred catch-up) and adaptive with the draft caught up after every step
+    (lazy_draft_steps=0); all give our AR tokens and report the draft sizes they chose; without eager_catchup there
+    are no stepwise rows."""
     from nemo_spec.inference import benchmark as bench
 
     m, _ = llama
     spec = _spec(m, "eagle3")
     kw = dict(methods=["eagle"], batch_sizes=(2,), max_new_tokens=6, hf=False, repeats=1, options=OPTS, adaptive=True)
-    res = bench.benchmark(spec, PROMPTS, eager_catchup=True, **kw)
+    res = bench.benchmark(spec, PROMPTS, eager_catchup=True, extra_models=[_spec(m, "dflash")], **kw)
     got = {r["method"]: r for r in res["rows"]}
-    assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+adaptive+stepwise"}
+    assert set(got) == {"ar", "eagle", "eagle+adaptive", "eagle+adaptive+stepwise"} | {
+        f"{d}{v}" for d in ("dflash", "dflash_tree") for v in ("", "+adaptive", "+adaptive+stepwise")}
     assert got["eagle+adaptive+stepwise"]["options"]["lazy_draft_steps"] == 0
+    assert got["dflash+adaptive+stepwise"]["options"]["lazy_draft_steps"] == 0
     assert "lazy_draft_steps" not in got["eagle+adaptive"]["options"] and res["config"]["eager_catchup"]
     assert all(r["matches_ar"] == 1.0 for r in res["rows"])
     assert "- eagle+adaptive+stepwise batch 2 chose (steps per draft size): " in bench.to_markdown(res)

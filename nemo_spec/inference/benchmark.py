@@ -110,6 +110,8 @@ def run_ours(model: torch.nn.Module, prompts: List[List[int]], method: str, batc
 SCHEDULES = ("fixed", "continuous")
 #: methods whose draft takes option draft_prompt_tokens (benchmark --draft-prompt-tokens adds their +dpt=N rows)
 WINDOWED = tuple(m for m, cls in PROPOSERS.items() if issubclass(cls, PromptWindow))
+#: methods whose proposer defers a level-0 step's draft work (option lazy_draft_steps; --eager-catchup rows)
+LAZY_METHODS = tuple(m for m, cls in PROPOSERS.items() if cls.defers_level0)
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -176,8 +178,9 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method (the extra models' too) also runs as ``<method>+adaptive`` (draft
     size chosen per step);
-    with ``eager_catchup`` too, the EAGLE methods also run adaptive with their draft caught up after every step
-    (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay a draft forward, as before the
+    with ``eager_catchup`` too, the methods that defer a level-0 step's draft work (EAGLE, P-EAGLE, DFlash; the
+    extra models' too) also run adaptive with their draft caught up after every step
+    (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay their draft work, as before the
     deferred catch-up);
     each of ``draft_prompt_tokens`` (W) runs the EAGLE and P-EAGLE methods (extra models' too) once more with the draft reading only each prompt's
     last W pairs (``<method>+dpt=W`` rows, and ``<method>+adaptive+dpt=W`` with ``adaptive``);
@@ -220,7 +223,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                 jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True})))
-            if adaptive and eager_catchup and m in ("eagle", "eagle_tree"):
+            if adaptive and eager_catchup and m in LAZY_METHODS:
                 jobs.append((f"nemo_spec {m}+adaptive+stepwise batch {b}", functools.partial(
                     _relabel, f"{m}+adaptive+stepwise", ours, model, prompts, m, b, max_new_tokens, draft_model,
                     {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
@@ -258,6 +261,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                     jobs.append((f"nemo_spec {label}+adaptive batch {b}", functools.partial(
                         _relabel, f"{label}+adaptive", ours, extra, prompts, m, b, max_new_tokens, None,
                         {**(opts or {}), "adaptive": True})))
+                if adaptive and eager_catchup and m in LAZY_METHODS:
+                    jobs.append((f"nemo_spec {label}+adaptive+stepwise batch {b}", functools.partial(
+                        _relabel, f"{label}+adaptive+stepwise", ours, extra, prompts, m, b, max_new_tokens, None,
+                        {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
                 for w in (draft_prompt_tokens if m in WINDOWED else ()):
                     for ad in ((False, True) if adaptive else (False,)):
                         lw = f"{label}{'+adaptive' if ad else ''}+dpt={w}"
@@ -678,8 +685,9 @@ def build_parser():
     p.add_argument("--adaptive", action="store_true",
                    help="also run every speculative method with adaptive speculation (<method>+adaptive rows)")
     p.add_argument("--eager-catchup", action="store_true",
-                   help="with --adaptive: EAGLE methods also run with the draft caught up after every step "
-                        "(<method>+adaptive+stepwise rows, lazy_draft_steps=0) next to the deferred catch-up")
+                   help="with --adaptive: EAGLE, P-EAGLE and DFlash methods also run with the draft caught up "
+                        "after every step (<method>+adaptive+stepwise rows, lazy_draft_steps=0) next to the "
+                        "deferred catch-up")
     p.add_argument("--draft-prompt-tokens", type=int, nargs="+", default=[],
                    help="also run the EAGLE and P-EAGLE methods with the draft reading only each prompt's last N tokens "
                         "(<method>+dpt=N rows; option draft_prompt_tokens) next to the whole prompt")

@@ -79,6 +79,8 @@ class BaseProposer:
     name = "base"
     lookahead = 0
     aux_layers: List[int] = []
+    #: a level-0 step's draft work waits for a later drafting step (option ``lazy_draft_steps``)
+    defers_level0 = False
 
     @property
     def levels(self) -> List[int]:

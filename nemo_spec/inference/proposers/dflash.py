@@ -47,6 +47,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
     """Block drafting with a DFlash draft: a chain of up to ``num_draft_tokens`` (default B - 1) per forward."""
 
     name = "dflash"
+    defers_level0 = True
 
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         super().__init__(model, ("dflash",))

@@ -34,6 +34,8 @@ from nemo_spec.inference.trees import block_context, pad_chains, select_tree
 class EagleProposer(PromptWindow, SpecModelProposer):
     """EAGLE-1/EAGLE-3 drafting: chain of depth K, or an EAGLE-2 dynamic tree (total tokens, depth, top-k)."""
 
+    defers_level0 = True
+
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         self.name = "eagle_tree" if tree else "eagle"
         super().__init__(model, ("eagle1", "eagle3"))

@@ -49,6 +49,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
     """Parallel drafting with a P-EAGLE draft: a chain of up to ``num_draft_tokens`` tokens per forward."""
 
     name = "peagle"
+    defers_level0 = True
 
     def __init__(self, model: torch.nn.Module, options: Dict[str, Any], tree: bool = False) -> None:
         super().__init__(model, ("peagle",))
