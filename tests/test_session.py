@@ -342,6 +342,55 @@ def test_the_plain_decode_step_equals_the_empty_tree_verification(model, method,
         assert any(sum(h[1:]) for _, h, _ in plain)  # and speculative steps accepted drafts
 
 
+DEFER_ROWS = {  # prompts, budgets, level schedule (runs of 0s longer than the lazy_draft_steps cap too)
+    "mixed": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]],
+              [20, 23, 26, 29, 32], [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]),
+    # short rows under long level-0 runs: slots holding deferred work are swapped
+    "swaps": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1],
+               [3, 3, 2, 9, 8, 1, 4]], [9, 4, 13, 6, 11, 7], [0] * 7 + [3] + [0] * 9 + [1]),
+}
+
+
+def _deferred_vs_stepwise(spec, method, rows, options=None, chunk=None, hook=None):
+    """Run DEFER_ROWS[rows] (odd rows sampled, seeded) under a scripted level schedule with lazy_draft_steps 0
+    (draft work after every step) and 3; check every proposal and every row's tokens are the same and greedy rows
+    are AR's. ``hook(sess)`` may wrap the session's proposer. Returns ((results, session) stepwise, deferred)."""
+    prompts, budgets, schedule = DEFER_ROWS[rows]
+    sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
+
+    def run(lazy):
+        sess = Session(spec, method, options={"ignore_eos": True, **(options or {}), "lazy_draft_steps": lazy},
+                       max_batch=3, adaptive=True, prefill_chunk_tokens=chunk)
+        sess.adaptive = ScriptedLevels(schedule)
+        trees, propose = [], sess.proposer.propose
+
+        def record(s, st, level=None):
+            t = propose(s, st, level)
+            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone(),
+                          None if t.q is None else t.q.clone()))
+            return t
+
+        sess.proposer.propose = record
+        if hook is not None:
+            hook(sess)
+        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
+        sess.run()
+        return [sess.result(h) for h in hs], trees, sess
+
+    (eager, eager_trees, eager_s), (lazy, lazy_trees, lazy_s) = run(0), run(3)
+    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
+                  options={"ignore_eos": True})
+    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
+    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
+                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
+    assert len(lazy_trees) == len(eager_trees) >= len(schedule)
+    for (la, lt, lp, lq), (ea, et, ep, eq) in zip(lazy_trees, eager_trees):
+        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None) and (lq is None) == (eq is None)
+        assert lp is None or torch.equal(lp, ep)
+        assert lq is None or torch.allclose(lq, eq, atol=1e-5)
+    return (eager, eager_s), (lazy, lazy_s)
+
+
 @pytest.mark.parametrize("method,chunk", [("eagle", None), ("eagle_tree", None), ("eagle", 2)])
 def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method, chunk):
     """A level-0 step drafts nothing, so EAGLE keeps its (feature, token) pairs and reads them in one draft forward
@@ -353,54 +402,17 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(), "eagle3").eval()
-    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]]
-    sp = [SamplingParams(max_new_tokens=20 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(5)]
-    opts = {"ignore_eos": True, "num_draft_tokens": 3, "depth": 3, "top_k": 2, "total_tokens": 5}
-    schedule = [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]  # runs of 0s longer than the cap too
-
-    def run(lazy):
-        sess = Session(spec, method, options={**opts, "lazy_draft_steps": lazy}, max_batch=3, adaptive=True,
-                       prefill_chunk_tokens=chunk)
-        sess.adaptive = ScriptedLevels(schedule)
-        trees, propose = [], sess.proposer.propose
-
-        def record(s, st, level=None):
-            t = propose(s, st, level)
-            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone()))
-            return t
-
-        sess.proposer.propose = record
-        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
-        sess.run()
-        res = [sess.result(h) for h in hs]
-        return res, trees, sess.adaptive.deferred, sess.proposer, sess.stats()
-
-    eager, eager_trees, eager_def, eager_p, eager_st = run(0)
-    lazy, lazy_trees, lazy_def, lazy_p, lazy_st = run(3)
-    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
-                  options={"ignore_eos": True})
-    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
-    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
-                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
-    assert len(lazy_trees) == len(eager_trees)
-    for (la, lt, lp), (ea, et, ep) in zip(lazy_trees, eager_trees):
-        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None)
-        assert lp is None or torch.equal(lp, ep)
+    opts = {"num_draft_tokens": 3, "depth": 3, "top_k": 2, "total_tokens": 5}
+    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, "mixed", opts, chunk)
+    eager_def, lazy_def = eager_s.adaptive.deferred, lazy_s.adaptive.deferred
     assert not eager_def and lazy_def and max(lazy_def) <= 3  # caught up after at most 3 level-0 steps
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
+    lazy_p, eager_p = lazy_s.proposer, eager_s.proposer
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(3) == 3
+    lazy_st, eager_st = lazy_s.stats(), eager_s.stats()
     assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts' pairs waited
     # prefill_s: the prompts' reading in all, the draft's deferred part included
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
-
-
-DEFER_ROWS = {  # prompts, budgets, level schedule
-    "mixed": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1]],
-              [20, 23, 26, 29, 32], [3, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1]),
-    # short rows under long level-0 runs: slots holding deferred positions / waiting prompts are swapped
-    "swaps": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1],
-               [3, 3, 2, 9, 8, 1, 4]], [9, 4, 13, 6, 11, 7], [0] * 7 + [3] + [0] * 9 + [1]),
-}
 
 
 @pytest.mark.parametrize("method,chunk,rows", [("dflash", None, "mixed"), ("dflash_tree", None, "mixed"),
@@ -417,27 +429,13 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(num_layers=4), "dflash").eval()
-    prompts, budgets, schedule = DEFER_ROWS[rows]  # runs of 0s longer than the cap too
-    sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
-    writes, write = [], D.DFlashDraft.write_context
+    writes, swapped, write = [], [], D.DFlashDraft.write_context
 
     def counted(self, cache, fused, counts):
         writes.append(fused.shape[1])
         return write(self, cache, fused, counts)
 
-    def run(lazy):
-        writes.clear()
-        sess = Session(spec, method, options={"ignore_eos": True, "lazy_draft_steps": lazy}, max_batch=3,
-                       adaptive=True, prefill_chunk_tokens=chunk)
-        sess.adaptive = ScriptedLevels(schedule)
-        trees, propose = [], sess.proposer.propose
-
-        def record(s, st, level=None):
-            t = propose(s, st, level)
-            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone()))
-            return t
-
-        sess.proposer.propose = record
+    def spy_swaps(sess):
         p, swap = sess.proposer, sess.proposer.swap
 
         def swap_spy(i, j, used):  # slots exchanged while holding deferred work
@@ -445,30 +443,17 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
             swap(i, j, used)
 
         sess.proposer.swap = swap_spy
-        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(D.DFlashDraft, "write_context", counted)
-            sess.run()
-        return [sess.result(h) for h in hs], trees, sess.adaptive.deferred, len(writes), sess.stats()
+        sess.from_here = (len(writes), len(swapped))  # this run's writes and swaps follow
 
-    swapped = []
-    eager, eager_trees, eager_def, eager_writes, eager_st = run(0)
-    assert not any(swapped)
-    lazy, lazy_trees, lazy_def, lazy_writes, lazy_st = run(3)
-    if rows == "swaps":
-        assert any(swapped)
-    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
-                  options={"ignore_eos": True})
-    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
-    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
-                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
-    assert len(lazy_trees) == len(eager_trees) >= len(schedule)
-    for (la, lt, lp), (ea, et, ep) in zip(lazy_trees, eager_trees):
-        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None)
-        assert lp is None or torch.equal(lp, ep)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(D.DFlashDraft, "write_context", counted)
+        (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, chunk=chunk, hook=spy_swaps)
+    (w0, s0), (w1, s1) = eager_s.from_here, lazy_s.from_here
+    assert len(writes) - w1 < w1 - w0  # fewer injections
+    assert not any(swapped[s0:s1]) and (any(swapped[s1:]) or rows != "swaps")
+    eager_def, lazy_def = eager_s.adaptive.deferred, lazy_s.adaptive.deferred
     assert not eager_def and lazy_def and max(lazy_def) <= 3  # injected after at most 3 level-0 steps
-    assert lazy_writes < eager_writes
-    assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts waited
+    assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited
 
 
 @pytest.mark.parametrize("method,rows", [("peagle", "mixed"), ("peagle_tree", "mixed"), ("peagle", "swaps")])
@@ -480,39 +465,9 @@ def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(metho
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(), "peagle").eval()
-    prompts, budgets, schedule = DEFER_ROWS[rows]
-    sp = [SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i) for i, n in enumerate(budgets)]
-
-    def run(lazy):
-        sess = Session(spec, method, options={"ignore_eos": True, "lazy_draft_steps": lazy}, max_batch=3,
-                       adaptive=True)
-        sess.adaptive = ScriptedLevels(schedule)
-        trees, propose = [], sess.proposer.propose
-
-        def record(s, st, level=None):
-            t = propose(s, st, level)
-            trees.append((level, t.tokens.clone(), None if t.parents is None else t.parents.clone(),
-                          None if t.q is None else t.q.clone()))
-            return t
-
-        sess.proposer.propose = record
-        hs = [sess.add(p, s) for p, s in zip(prompts, sp)]
-        sess.run()
-        return [sess.result(h) for h in hs], trees, sess.proposer
-
-    eager, eager_trees, eager_p = run(0)
-    lazy, lazy_trees, lazy_p = run(3)
-    ar = generate(spec, [p for p, s in zip(prompts, sp) if s.greedy], SamplingParams(max_new_tokens=40),
-                  options={"ignore_eos": True})
-    assert [r.tokens for r in lazy] == [r.tokens for r in eager]
-    assert [r.tokens for r, s in zip(lazy, sp) if s.greedy] == [a.tokens[:len(r.tokens)] for r, a in
-                                                              zip([r for r, s in zip(lazy, sp) if s.greedy], ar)]
-    assert len(lazy_trees) == len(eager_trees) >= len(schedule)
-    for (la, lt, lp, lq), (ea, et, ep, eq) in zip(lazy_trees, eager_trees):
-        assert la == ea and torch.equal(lt, et) and (lp is None) == (ep is None) and (lq is None) == (eq is None)
-        assert lp is None or torch.equal(lp, ep)
-        assert lq is None or torch.allclose(lq, eq, atol=1e-5)
+    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows)
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
+    lazy_p, eager_p = lazy_s.proposer, eager_s.proposer
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(2) == 1
 
 

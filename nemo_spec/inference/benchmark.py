@@ -212,27 +212,30 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     cfg = model_config(model)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     jobs: List[Tuple[str, Callable[..., Dict[str, Any]]]] = []
+
+    def variants(label: str, mdl: torch.nn.Module, m: str, b: int, draft: Optional[torch.nn.Module],
+                 opts: Optional[Dict[str, Any]]) -> None:
+        """Jobs for method ``m`` of ``mdl`` at batch ``b``: as given, and its adaptive / stepwise / prompt-window
+        variants (labels ``label+...``)."""
+        rows = [("", opts)]
+        if adaptive and m != "ar":
+            rows.append(("+adaptive", {**(opts or {}), "adaptive": True}))
+        if adaptive and eager_catchup and m in LAZY_METHODS:
+            rows.append(("+adaptive+stepwise", {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0}))
+        for w in (draft_prompt_tokens if m in WINDOWED else ()):
+            for ad in ((False, True) if adaptive else (False,)):
+                rows.append((f"{'+adaptive' if ad else ''}+dpt={w}", {
+                    **(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})}))
+        for suffix, o in rows:
+            jobs.append((f"nemo_spec {label}{suffix} batch {b}", functools.partial(
+                _relabel, f"{label}{suffix}", ours, mdl, prompts, m, b, max_new_tokens, draft, o)))
+
     for b in batch_sizes:
         for m in methods:
             opts = {**(options or {}), **(tree_options or {})} if m == "eagle_tree" else options
             if m == "suffix":
                 opts = {**(options or {}), **(suffix_options or {})}
-            jobs.append((f"nemo_spec {m} batch {b}",
-                         functools.partial(ours, model, prompts, m, b, max_new_tokens, draft_model, opts)))
-            if adaptive and m != "ar":
-                jobs.append((f"nemo_spec {m}+adaptive batch {b}", functools.partial(
-                    _relabel, f"{m}+adaptive", ours, model, prompts, m, b, max_new_tokens, draft_model,
-                    {**(opts or {}), "adaptive": True})))
-            if adaptive and eager_catchup and m in LAZY_METHODS:
-                jobs.append((f"nemo_spec {m}+adaptive+stepwise batch {b}", functools.partial(
-                    _relabel, f"{m}+adaptive+stepwise", ours, model, prompts, m, b, max_new_tokens, draft_model,
-                    {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
-            for w in (draft_prompt_tokens if m in WINDOWED else ()):
-                for ad in ((False, True) if adaptive else (False,)):
-                    label = f"{m}{'+adaptive' if ad else ''}+dpt={w}"
-                    jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
-                        _relabel, label, ours, model, prompts, m, b, max_new_tokens, draft_model,
-                        {**(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})})))
+            variants(m, model, m, b, draft_model, opts)
             if compile_mode:
                 jobs.append((f"nemo_spec {m}+compiled batch {b}", functools.partial(
                     _relabel, f"{m}+compiled", ours, model, prompts, m, b, max_new_tokens, draft_model,
@@ -255,22 +258,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             taken.add(label)
             opts = {**(options or {}), **(tree_options or {})} if m == "eagle_tree" else options
             for b in batch_sizes:
-                jobs.append((f"nemo_spec {label} batch {b}", functools.partial(
-                    _relabel, label, ours, extra, prompts, m, b, max_new_tokens, None, opts)))
-                if adaptive:
-                    jobs.append((f"nemo_spec {label}+adaptive batch {b}", functools.partial(
-                        _relabel, f"{label}+adaptive", ours, extra, prompts, m, b, max_new_tokens, None,
-                        {**(opts or {}), "adaptive": True})))
-                if adaptive and eager_catchup and m in LAZY_METHODS:
-                    jobs.append((f"nemo_spec {label}+adaptive+stepwise batch {b}", functools.partial(
-                        _relabel, f"{label}+adaptive+stepwise", ours, extra, prompts, m, b, max_new_tokens, None,
-                        {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0})))
-                for w in (draft_prompt_tokens if m in WINDOWED else ()):
-                    for ad in ((False, True) if adaptive else (False,)):
-                        lw = f"{label}{'+adaptive' if ad else ''}+dpt={w}"
-                        jobs.append((f"nemo_spec {lw} batch {b}", functools.partial(
-                            _relabel, lw, ours, extra, prompts, m, b, max_new_tokens, None,
-                            {**(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})})))
+                variants(label, extra, m, b, None, opts)
     pretune_s = pretune_models([model, draft_model, *extra_models], gemm_modes)
     with contextlib.ExitStack() as stack:
         if hf:
