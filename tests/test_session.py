@@ -252,6 +252,31 @@ def test_adaptive_verify_cost_of_a_level_follows_its_own_steps():
     ctl.steps = 2
     assert ctl.choose(8) == 4
 
+def test_adaptive_never_predicts_a_larger_level_cheaper_than_a_measured_smaller_one():
+    """A draft whose tokens past depth 3 are never accepted (a DFlash block on a loop): chains of 3, 4 and 5 all
+    give 4 tokens a step, and their own verify timings differ by noise, here the 5-token steps timed fastest. The
+    controller must not pay for 2 extra verified tokens on that noise: a level's verify cost is never below a
+    measured smaller level's, and on equal tokens the smaller level wins."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    prop = NS(levels=[0, 1, 2, 3, 4, 5], level_depth=lambda i: i, draft_forwards=lambda i: 1 if i else 0)
+    ctl = AdaptiveSpeculation(prop)
+    noise = {0: 1.0, 3: 1.1, 4: 1.05, 5: 0.9}  # level 5's steps happened to run on a quiet machine
+    for k in range(300):
+        level = (0, 3, 4, 5)[k % 4]
+        n, b = ctl.levels[level], 1
+        ctl.observe(b, level, NS(tokens=torch.zeros(b, n), sizes=None, max_children=1),
+                    NS(paths=[[0] * (min(n, 3) + 1)]), draft_s=2e-3,
+                    verify_s=1e-3 * (3.5 + 0.4 * (1 + n)) * noise[level])
+    assert ctl.expected_tokens(5) == pytest.approx(ctl.expected_tokens(3), rel=0.05)
+    assert ctl.verify_seconds(1, 5) < ctl.verify_seconds(1, 3)  # what the timings say
+    assert ctl.monotone_verify_seconds(1, 5) >= ctl.monotone_verify_seconds(1, 4) >= ctl.verify_seconds(1, 3)
+    ctl.steps, ctl.since_top = 2, 0
+    assert ctl.choose(1) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
                                                 ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])

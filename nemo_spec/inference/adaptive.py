@@ -9,7 +9,8 @@ step of ``b`` rows at level ``i`` the controller predicts
 with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
 timings of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with
 the highest tokens / seconds. ``k(i)`` scales the shared line by how level i's own verify steps compared with it
-(a line fitted mostly on narrow level-0 steps can misjudge a step five times as wide). ``T_deferred`` is the
+(a line fitted mostly on narrow level-0 steps can misjudge a step five times as wide), and never below that of a
+smaller level measured by its own steps (so noise alone does not buy verified nodes). ``T_deferred`` is the
 running mean, per level-0 step, of the draft work such a step put off to a later one (EAGLE reads a run of
 level-0 steps' tokens into its draft in one forward when it next drafts: a level-0 step then costs what an AR
 step costs, plus that share). At large batches the target forward stops being nearly free per token and the
@@ -115,7 +116,7 @@ class AdaptiveSpeculation:
 
     def predicted_rate(self, b: int, i: int) -> float:
         """Predicted tokens per second of a b-row step at level i."""
-        t = self.verify_seconds(b, i) + self.forwards[i] * self.draft.predict(b)
+        t = self.monotone_verify_seconds(b, i) + self.forwards[i] * self.draft.predict(b)
         if self.levels[i] == 0:
             t += self.deferred_per_step()
         return b * self.expected_tokens(i) / t if t > 0 else float("inf")
@@ -131,6 +132,16 @@ class AdaptiveSpeculation:
             return shared
         at = self.verify.predict(wx / w)
         return shared * min(4.0, max(0.25, (wy / w) / at)) if at > 0 else shared
+
+    def monotone_verify_seconds(self, b: int, i: int) -> float:
+        """:meth:`verify_seconds`, but never below that of a smaller level measured by its own steps: verifying
+        more nodes is not cheaper, and where the levels' timings differ by noise alone (a draft whose deeper
+        tokens are never accepted) the smaller level then wins the tie instead of the noisier one."""
+        t = self.verify_seconds(b, i)
+        for j in range(i):
+            if self.own[j][0] > 0:
+                t = max(t, self.verify_seconds(b, j))
+        return t
 
     def deferred_per_step(self) -> float:
         """Mean seconds of deferred draft work per level-0 step (0 until some was run)."""
