@@ -373,6 +373,9 @@ DEFER_ROWS = {  # prompts, budgets, level schedule (runs of 0s longer than the l
     # short rows under long level-0 runs: slots holding deferred work are swapped
     "swaps": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1],
                [3, 3, 2, 9, 8, 1, 4]], [9, 4, 13, 6, 11, 7], [0] * 7 + [3] + [0] * 9 + [1]),
+    # rows joining during a level-0 run finish at other times: slots with different pending work are swapped
+    "joins": ([[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3, 1], [1, 2], [4, 4, 4, 8], [7, 1, 7, 1, 7, 1],
+               [3, 3, 2, 9, 8, 1, 4]], [3, 5, 30, 4, 6, 9], [0] * 20 + [3]),
 }
 
 
@@ -481,7 +484,8 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited
 
 
-@pytest.mark.parametrize("method,rows", [("peagle", "mixed"), ("peagle_tree", "mixed"), ("peagle", "swaps")])
+@pytest.mark.parametrize("method,rows", [("peagle", "mixed"), ("peagle_tree", "mixed"), ("peagle", "swaps"),
+                                         ("peagle", "joins")])
 def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows):
     """P-EAGLE at level 0: the step's pair joins the row's pending pairs (no draft forward) and the next drafting
     step's one forward reads them all, or one forward once lazy_draft_steps of them piled up. Against a forward
@@ -490,7 +494,19 @@ def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(metho
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(), "peagle").eval()
-    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows)
+    uneven = []  # per swap: the two slots held different numbers of pending pairs
+
+    def spy_swaps(sess):
+        p, swap = sess.proposer, sess.proposer.swap
+
+        def swap_spy(i, j, used):
+            uneven.append(i != j and p.pend_n[i] != p.pend_n[j])
+            swap(i, j, used)
+
+        sess.proposer.swap = swap_spy
+
+    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, hook=spy_swaps)
+    assert rows != "joins" or sum(uneven) >= 2
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
     lazy_p, eager_p = lazy_s.proposer, eager_s.proposer
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(2) == 1

@@ -18,8 +18,9 @@ that token d was drawn from the q_d it reports).
 
 Under adaptive speculation a step at level 0 drafts nothing, so its pair joins the row's pending pairs instead of
 being read by a forward of its own (``lazy_draft_steps``, as EAGLE's catch-up): a run of such steps is read by
-the next drafting step's one forward (or by one forward once the buffer is full), so a level-0 step costs what an
-AR step costs.
+the next drafting step's one forward (or by one forward once the buffer is full: it holds ``lazy_draft_steps``
+pairs beyond a verification's depth + 1), so a level-0 step costs what an AR step costs. The deferred pairs ride
+in the drafting forward, whose time the controller charges to the drafting level (no separate deferred cost).
 
 ``peagle_tree`` (beyond the references, which verify the chain): the same single forward's per-depth
 distributions expanded into a static tree of top-k ranks (:class:`~.common.StaticTree`, option
@@ -60,7 +61,8 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
             log.warning("peagle: num_draft_tokens=%d exceeds the %d depths the draft was trained for; the deeper "
                         "slots are untrained (output stays exact, acceptance drops)", self.depth, trained)
         self.lookahead = self.depth
-        self.extra_slots = self.depth + 2  # pending pairs (<= depth + 1) and the mask slots past the committed end
+        # the mask slots past a row's end (pending pairs, deferred ones too, lie within the row's own positions)
+        self.extra_slots = self.depth + 2
         self.mask_token_id = int(draft.mask_token_id)
         vd = int(self.spec.d2t.numel())
         self.d2t_ids = self.spec.draft_to_base_ids(torch.arange(vd, device=self.spec.d2t.device)).long()
