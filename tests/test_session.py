@@ -279,7 +279,8 @@ def test_adaptive_never_predicts_a_larger_level_cheaper_than_a_measured_smaller_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("draft_model", 0.8), ("eagle_tree", 0.0),
-                                                ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8)])
+                                                ("eagle", 0.8), ("medusa", 0.8), ("prompt_lookup", 0.8),
+                                                ("peagle", 0.8), ("dflash", 0.0), ("dflash_tree", 0.8)])
 def test_decode_and_verify_steps_never_sync_the_device(method, temperature):
     """Under torch.cuda.set_sync_debug_mode("error") whole session steps (prefill, draft, target verify, device
     acceptance, cache keep, slot moves) run; the one allowed device -> host read is the accepted ids."""
@@ -295,7 +296,15 @@ def test_decode_and_verify_steps_never_sync_the_device(method, temperature):
         alg = "medusa" if method == "medusa" else "eagle3"
         kw = {"num_medusa_heads": 2} if alg == "medusa" else {}
         model = SpeculativeTransform(algorithm=alg, **kw)(target).to(dev).eval()
-    opts = {"ignore_eos": True, "depth": 3, "top_k": 2, "total_tokens": 5, "num_draft_tokens": 3}
+    elif method.startswith(("peagle", "dflash")):  # one-forward drafts, run adaptive (deferred draft work too)
+        from tests.speculative_utils import ALG_KWARGS
+
+        alg = method.split("_")[0]
+        if alg == "dflash":  # its target layers [0, 2] need four base layers
+            target = build_gpt(tiny_llama(num_layers=4), device=dev).eval()
+        model = SpeculativeTransform(**ALG_KWARGS[alg])(target).to(dev).eval()
+    opts = {"ignore_eos": True, "depth": 3, "top_k": 2, "total_tokens": 5, "num_draft_tokens": 3,
+            "adaptive": method.startswith(("peagle", "dflash"))}
     sess = Session(model, method, draft, opts, max_batch=3, prefill_chunk_tokens=6)
     sp = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=6 + 3 * i) for i in range(4)]
     for i, p in enumerate(sp):

@@ -210,7 +210,8 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         tok = torch.full((b, n + 1), self.mask_token_id, dtype=torch.long, device=dev)
         tok[:, 0] = self.last_tok[:b]
         pos = (view.lengths[:, None] + torch.arange(n + 1, device=dev)[None]).clamp(max=self.max_pos - 1)
-        ctx = DFlashContext(position_ids=pos, cache=view, kv_len=int(view.lengths.max()))
+        # every row's context is injected up to its target cache length (st.lengths, host-side): no device read
+        ctx = DFlashContext(position_ids=pos, cache=view, kv_len=max(st.lengths[:b]))
         _, logits = self.spec.eagle_module(self.spec.gpt, tok, ctx, head_rows=slice(1, k + 1))
         st.count_draft(1)
         if self.tree is not None:
