@@ -29,7 +29,7 @@ per rank; every rank must run the same step).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from nemo_spec import parallel
 
@@ -114,9 +114,10 @@ class AdaptiveSpeculation:
             e += p
         return e
 
-    def predicted_rate(self, b: int, i: int) -> float:
-        """Predicted tokens per second of a b-row step at level i."""
-        t = self.monotone_verify_seconds(b, i) + self.forwards[i] * self.draft.predict(b)
+    def predicted_rate(self, b: int, i: int, verify_s: Optional[float] = None) -> float:
+        """Predicted tokens per second of a b-row step at level i (``verify_s``: its :meth:`verify_costs` entry,
+        when the caller has them)."""
+        t = (self.verify_costs(b)[i] if verify_s is None else verify_s) + self.forwards[i] * self.draft.predict(b)
         if self.levels[i] == 0:
             t += self.deferred_per_step()
         return b * self.expected_tokens(i) / t if t > 0 else float("inf")
@@ -133,15 +134,18 @@ class AdaptiveSpeculation:
         at = self.verify.predict(wx / w)
         return shared * min(4.0, max(0.25, (wy / w) / at)) if at > 0 else shared
 
-    def monotone_verify_seconds(self, b: int, i: int) -> float:
-        """:meth:`verify_seconds`, but never below that of a smaller level measured by its own steps: verifying
-        more nodes is not cheaper, and where the levels' timings differ by noise alone (a draft whose deeper
-        tokens are never accepted) the smaller level then wins the tie instead of the noisier one."""
-        t = self.verify_seconds(b, i)
-        for j in range(i):
-            if self.own[j][0] > 0:
-                t = max(t, self.verify_seconds(b, j))
-        return t
+    def verify_costs(self, b: int) -> List[float]:
+        """Predicted verify time of a b-row step at every level: :meth:`verify_seconds`, but never below that of a
+        smaller level measured by its own steps (one pass over the levels). Verifying more nodes is not cheaper,
+        and where the levels' timings differ by noise alone (a draft whose deeper tokens are never accepted) the
+        smaller level then wins the tie instead of the noisier one."""
+        out, floor = [], 0.0
+        for i in range(len(self.levels)):
+            t = self.verify_seconds(b, i)
+            out.append(max(t, floor))
+            if self.own[i][0] > 0:
+                floor = max(floor, t)
+        return out
 
     def deferred_per_step(self) -> float:
         """Mean seconds of deferred draft work per level-0 step (0 until some was run)."""
@@ -165,7 +169,8 @@ class AdaptiveSpeculation:
         elif not predicted:
             i = 0
         else:
-            i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j))
+            costs = self.verify_costs(b)
+            i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j]))
         i = parallel.same_on_generation_ranks([i])[0]
         if predicted and self._trial:  # the first choice after a trial: did the largest level win its place back?
             self.explore_every = self.explore_base if i == top else min(2 * self.explore_every, self.max_explore_every)
