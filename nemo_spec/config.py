@@ -194,8 +194,8 @@ class SpeculativeConfig:
     #: p + k - 1 over the sequence); "rollout" -- the k-th token of the base's greedy continuation of x_{<=p} (what
     #: a drafted block must reproduce; per step B - 2 one-token base forwards per anchor after the sequence,
     #: whose keys/values come from the training forward (offline: one more base forward); not under expert
-    #: parallelism); "data" -- the sequence's
-    #: x_{p+k} (the reference's CE, right when the data is the base's own generations)
+    #: parallelism); "data" -- the sequence's x_{p+k} (the reference's CE, right when the data is the base's own
+    #: generations)
     dflash_targets: str = "base"
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
