@@ -177,13 +177,12 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     to ``suffix``. With ``warm_prompts`` (other prompts than the measured ones) a ``suffix_global`` row runs
     suffix decoding with the model's global store warmed on their outputs and frozen while measuring.
     With ``adaptive`` every speculative method (the extra models' too) also runs as ``<method>+adaptive`` (draft
-    size chosen per step);
-    with ``eager_catchup`` too, the methods that defer a level-0 step's draft work (EAGLE, P-EAGLE, DFlash; the
-    extra models' too) also run adaptive with their draft caught up after every step
+    size chosen per step); with ``eager_catchup`` too, the methods that defer a level-0 step's draft work (EAGLE,
+    P-EAGLE, DFlash; the extra models' too) also run adaptive with their draft caught up after every step
     (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay their draft work, as before the
-    deferred catch-up);
-    each of ``draft_prompt_tokens`` (W) runs the EAGLE and P-EAGLE methods (extra models' too) once more with the draft reading only each prompt's
-    last W pairs (``<method>+dpt=W`` rows, and ``<method>+adaptive+dpt=W`` with ``adaptive``);
+    deferred catch-up); each of ``draft_prompt_tokens`` (W) runs the EAGLE and P-EAGLE methods (extra models'
+    too) once more with the draft reading only each prompt's last W pairs (``<method>+dpt=W`` rows, and
+    ``<method>+adaptive+dpt=W`` with ``adaptive``);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
     ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method of the
     main model once more with that small-row CPU kernel rule (``<method>+gemm=<mode>`` rows, their speed-up taken
