@@ -494,29 +494,35 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited
 
 
-@pytest.mark.parametrize("method,rows", [("peagle", "mixed"), ("peagle_tree", "mixed"), ("peagle", "swaps"),
-                                         ("peagle", "joins")])
-def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows):
+@pytest.mark.parametrize("method,rows,chunk", [("peagle", "mixed", None), ("peagle_tree", "mixed", None),
+                                               ("peagle", "swaps", None), ("peagle", "joins", None),
+                                               ("peagle", "mixed", 2), ("peagle", "swaps", 2)])
+def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows, chunk):
     """P-EAGLE at level 0: the step's pair joins the row's pending pairs (no draft forward) and the next drafting
-    step's one forward reads them all, or one forward once lazy_draft_steps of them piled up. Against a forward
-    at every level-0 step (lazy_draft_steps=0), under the same level schedule with rows joining, leaving and
-    swapping slots: every proposal the same, greedy rows == AR, sampled rows the same tokens; fewer forwards."""
+    step's one forward reads them all, or one forward once lazy_draft_steps of them piled up; a prompt's pairs
+    wait for the row's first forward the same way (``chunk``: prompts prefilled, and read, a few pairs at a time).
+    Against a forward at every level-0 step and the prompt read at prefill (lazy_draft_steps=0), under the same
+    level schedule with rows joining, leaving and swapping slots: every proposal the same, greedy rows == AR,
+    sampled rows the same tokens; fewer forwards; the waiting prompts' time is reported as draft prefill."""
     from tests.speculative_utils import make_spec
 
     spec = make_spec(tiny_llama(), "peagle").eval()
-    uneven = []  # per swap: the two slots held different numbers of pending pairs
+    uneven, waiting = [], []  # per swap: different numbers of pending pairs; a slot holding unread prompt pairs
 
     def spy_swaps(sess):
         p, swap = sess.proposer, sess.proposer.swap
 
         def swap_spy(i, j, used):
             uneven.append(i != j and p.pend_n[i] != p.pend_n[j])
+            waiting.append(i != j and bool(p.prompt_pairs[i] or p.prompt_pairs[j]))
             swap(i, j, used)
 
         sess.proposer.swap = swap_spy
 
-    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, hook=spy_swaps)
+    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, chunk=chunk, hook=spy_swaps)
     assert rows != "joins" or sum(uneven) >= 2
+    assert rows != "swaps" or any(waiting)
+    assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited
     assert sum(r.stats["draft_forwards"] for r in lazy) < sum(r.stats["draft_forwards"] for r in eager)
     lazy_p, eager_p = lazy_s.proposer, eager_s.proposer
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(2) == 1

@@ -20,7 +20,10 @@ Under adaptive speculation a step at level 0 drafts nothing, so its pair joins t
 being read by a forward of its own (``lazy_draft_steps``, as EAGLE's catch-up): a run of such steps is read by
 the next drafting step's one forward (or by one forward once the buffer is full: it holds ``lazy_draft_steps``
 pairs beyond a verification's depth + 1), so a level-0 step costs what an AR step costs. The deferred pairs ride
-in the drafting forward, whose time the controller charges to the drafting level (no separate deferred cost).
+in the drafting forward, whose time the controller charges to the drafting level. The draft's prefill waits the
+same way (as EAGLE's and DFlash's): a prompt's pairs are read before the row's first forward, over the slots that
+have any and in column chunks of ``prefill_chunk_tokens``, so rows the controller never drafts for never pay it;
+that time is reported as draft prefill (:meth:`take_deferred_cost`), not charged to a level.
 
 ``peagle_tree`` (beyond the references, which verify the chain): the same single forward's per-depth
 distributions expanded into a static tree of top-k ranks (:class:`~.common.StaticTree`, option
@@ -30,7 +33,8 @@ verified by the shared tree machinery, still one draft forward per step.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,12 +82,21 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.blk_tok: Optional[torch.Tensor] = None  # [slots, width]: pending tokens, then mask_token_id
         self.mask_feat: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
+        self.prompt_pairs: List[List[Tuple[torch.Tensor, torch.Tensor]]] = []  # per slot: (features, tokens) waiting
+        self.chunk_tokens = 1 << 30
+        self._prefill_s = 0.0  # prompt pairs read by this step's forward (draft prefill, not the level's cost)
         self.init_window(options)  # the draft reads at most this many prompt pairs (0: all)
 
     def draft_forwards(self, level: int) -> int:
         """One forward per drafting step; at level 0 none while its pair can wait (one per step with
         ``lazy_draft_steps`` 0: the draft is caught up)."""
         return 0 if level_index(self.levels, level) == 0 and self.lazy_steps > 0 else 1
+
+    def take_deferred_cost(self) -> Tuple[float, int, float]:
+        """(0, 0, seconds of waiting prompt pairs read since the last call): deferred level-0 pairs ride in the
+        drafting forward and are charged to its level."""
+        out, self._prefill_s = (0.0, 0, self._prefill_s), 0.0
+        return out
 
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
@@ -93,6 +106,9 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.slots = sess.slots
         self.blk_feat = self.blk_tok = self.mask_feat = None
         self.pend_n = [0] * sess.slots
+        self.prompt_pairs = [[] for _ in range(sess.slots)]
+        self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))  # pairs one prompt read takes
+        self._prefill_s = 0.0
         self.window_setup(sess.slots)
 
     def _ensure_blocks(self, h: int, dtype: torch.dtype, dev: torch.device) -> None:
@@ -113,12 +129,14 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         """Empty the slot's draft cache row (it starts at the draft's window of the prompt) and pending pairs."""
         self.window_admit(slot, row.prompt)
         self.pend_n[slot] = 0
+        self.prompt_pairs[slot] = []
         if self.blk_feat is not None:  # a previous occupant may have left pending pairs in the block
             self._reset_blocks(slice(slot, slot + 1), self.width)
 
     def release(self, sess: Any, slot: int, row: Any) -> None:
-        """The slot's pending pairs are dropped with its row."""
+        """The slot's pending pairs (and waiting prompt pairs) are dropped with its row."""
         self.pend_n[slot] = 0
+        self.prompt_pairs[slot] = []
 
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' draft cache rows and pending pairs."""
@@ -126,12 +144,14 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         swap_rows(self.blk_feat, i, j)
         swap_rows(self.blk_tok, i, j)
         self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
+        self.prompt_pairs[i], self.prompt_pairs[j] = self.prompt_pairs[j], self.prompt_pairs[i]
         self.window_swap(i, j)
 
     # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
     def prefill(self, sess: Any, ch: PrefillChunk) -> None:
-        """Draft prefill over the chunk's pairs (those in the draft's window); a completed prompt's last pair (with
-        the first generated token) is kept pending: it anchors the first drafted block."""
+        """Draft prefill over the chunk's pairs (those in the draft's window; under adaptive speculation they wait
+        for the row's first forward); a completed prompt's last pair (with the first generated token) is kept
+        pending: it anchors the first drafted block."""
         f = self.features(ch.out)
         dev = f.device
         self._ensure_blocks(f.shape[-1], f.dtype, dev)
@@ -139,8 +159,13 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         final_h = [bool(fin) and c > 0 for fin, c in zip(ch.final, counts)]
         run = [c - int(fin) for c, fin in zip(counts, final_h)]
         valid = torch.arange(tok.shape[1], device=dev)[None] < tensor(run, dev)[:, None]
+        lazy = self.lazy_steps > 0 and getattr(sess, "adaptive", None) is not None
         view = self.cache.view(ch.lo, ch.hi)
-        if max(run) > 0:
+        if lazy:  # the pairs wait (see above)
+            for i, c in enumerate(run):
+                if c > 0:
+                    self.prompt_pairs[ch.lo + i].append((feats[i, :c].clone(), tok[i, :c].clone()))
+        elif max(run) > 0:
             ctx = chain_block(view, tok, valid, self.max_pos, max_length=max(lengths), padded=True,
                               unpadded=self.unpadded)
             self.spec.draft_step(tok, feats, ctx, head=False)
@@ -152,7 +177,8 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
                 self.blk_feat[s, 0] = feats[i, last]
                 self.blk_tok[s, 0] = tok[i, last]
                 self.pend_n[s] = 1
-        ch.count_draft(1)
+        if not lazy:
+            ch.count_draft(1)
 
     def accepted(self, sess: Any, st: StepState, res: StepResult) -> None:
         """The accepted path's base features paired with the emitted tokens become the rows' pending pairs (after a
@@ -184,6 +210,8 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self._deferring = k == 0 and self.lazy_steps > 0 and max(n_pend) < self.width - max(self.depth - 1, 0)
         if self._deferring:
             return DraftTree.empty(b, dev)
+        if any(self.prompt_pairs[:b]):
+            self._read_prompts(st)
         masks = max(k - 1, 0)
         lens = [p + masks for p in n_pend]
         width = max(lens)
@@ -225,6 +253,39 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
             qs.append(None if q is None else self._to_base(q))
         tokens = torch.stack(drafts, 1)
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=stack_q(qs))
+
+    def _read_prompts(self, st: StepState) -> None:
+        """Read the decode rows' waiting prompt pairs into the draft cache (they precede the rows' pending pairs):
+        over the slots that have any, at most ``chunk_tokens`` pairs per forward."""
+        t0 = time.perf_counter()
+        b = st.b
+        counts = [sum(int(t.numel()) for _, t in pp) for pp in self.prompt_pairs[:b]]
+        lo = next(r for r in range(b) if counts[r])
+        hi = max(r for r in range(b) if counts[r]) + 1
+        f0 = next(f for pp in self.prompt_pairs[lo:hi] for f, _ in pp)
+        dev = f0.device
+        K = max(counts)
+        feats = f0.new_zeros(hi - lo, K, f0.shape[-1])
+        tok = torch.zeros(hi - lo, K, dtype=torch.long, device=dev)
+        for r in range(lo, hi):
+            if counts[r]:
+                feats[r - lo, :counts[r]] = torch.cat([f for f, _ in self.prompt_pairs[r]])
+                tok[r - lo, :counts[r]] = torch.cat([t for _, t in self.prompt_pairs[r]])
+            self.prompt_pairs[r] = []
+        view = self.cache.view(lo, hi)
+        width = max(1, self.chunk_tokens // (hi - lo))
+        for j in range(0, K, width):
+            cj = [min(max(c - j, 0), width) for c in counts[lo:hi]]
+            # the draft holds a row's target length minus its pending pairs minus the prompt pairs still unread
+            before = max(n - p - c + min(j, c) for n, p, c in zip(st.lengths[lo:hi], self.pend_n[lo:hi], counts[lo:hi]))
+            n_dev = tensor(cj, dev)
+            valid = torch.arange(min(width, K - j), device=dev)[None] < n_dev[:, None]
+            ctx = chain_block(view, tok[:, j:j + width], valid, self.max_pos, max_length=before, padded=True,
+                              unpadded=self.unpadded)
+            self.spec.draft_step(tok[:, j:j + width], feats[:, j:j + width], ctx, head=False)
+            view.lengths += n_dev
+            st.count_draft(1)
+        self._prefill_s += time.perf_counter() - t0
 
     def _to_base(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Draft-vocab distribution [..., Vd] -> base-vocab [..., V] via d2t."""
