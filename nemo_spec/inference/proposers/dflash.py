@@ -36,7 +36,8 @@ import torch
 from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, StepState
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
-from nemo_spec.inference.proposers.common import DEFAULT_LAZY_DRAFT_STEPS, ParallelLevels, opt_int, swap_rows
+from nemo_spec.inference.proposers.common import (DEFAULT_LAZY_DRAFT_STEPS, ParallelLevels, column_chunks, opt_int,
+                                                  swap_rows, take_waiting)
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.models import model_config
 
@@ -70,7 +71,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         self.deferred_n: List[int] = []  # per slot: level-0 positions waiting in deferred_f
         self._deferring = False  # this step drafts nothing (level 0): accepted() defers the injection
         self._deferred_cost: Tuple[float, int, float] = (0.0, 0, 0.0)  # catch-up seconds, level-0 steps, prefill s
-        self.prompt_f: List[List[torch.Tensor]] = []  # per slot: base features [c, F] of prompt chunks to inject
+        self.prompt_f: List[List[Tuple[torch.Tensor]]] = []  # per slot: (base features [c, F],) of prompt chunks
         self.chunk_tokens = 1 << 30
 
     def draft_forwards(self, level: int) -> int:
@@ -124,7 +125,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
             feats = self.spec.base_features(ch.out)
             for i, c in enumerate(ch.counts):
                 if c:
-                    self.prompt_f[ch.lo + i].append(feats[i, :c].clone())
+                    self.prompt_f[ch.lo + i].append((feats[i, :c].clone(),))
         else:
             fused = self.features(ch.out)
             self.spec.eagle_module.write_context(self.cache.view(ch.lo, ch.hi), fused,
@@ -161,22 +162,12 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         """Inject every decode row's deferred positions, in order: its waiting prompt (one write over the slots
         that have one), then its level-0 steps' (one write; they follow the row's injected context)."""
         t0 = time.perf_counter()
-        prompt = [sum(int(f.shape[0]) for f in pf) for pf in self.prompt_f[:b]]
-        if any(prompt):  # over the slots that have one, at most chunk_tokens positions per write
-            lo = next(r for r in range(b) if prompt[r])
-            hi = max(r for r in range(b) if prompt[r]) + 1
-            rows = {r: torch.cat(self.prompt_f[r]) for r in range(lo, hi) if prompt[r]}
-            for r in range(lo, hi):
-                self.prompt_f[r] = []
-            f0 = next(iter(rows.values()))
-            width = max(1, self.chunk_tokens // (hi - lo))
-            for j in range(0, max(prompt), width):
-                cj = [min(max(c - j, 0), width) for c in prompt[lo:hi]]
-                feats = f0.new_zeros(hi - lo, max(cj), f0.shape[-1])
-                for r, f in rows.items():
-                    feats[r - lo, :cj[r - lo]] = f[j:j + cj[r - lo]]
-                self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
-                                                     tensor(cj, f0.device))
+        waiting = take_waiting(self.prompt_f, b)
+        if waiting is not None:  # over the slots that have one, at most chunk_tokens positions per write
+            lo, hi, prompt, (feats,) = waiting
+            for j, width, cj in column_chunks(prompt, self.chunk_tokens):
+                self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats[:, j:j + width]),
+                                                     tensor(cj, feats.device))
         pre = time.perf_counter() - t0  # the prompts: draft prefill, not level-0 work
         n = self.deferred_n[:b]
         K = max(n)

@@ -26,7 +26,8 @@ from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, Step
 from nemo_spec.inference.proposers.base import SpecModelProposer
 from nemo_spec.inference.proposers.common import (DEFAULT_LAZY_DRAFT_STEPS, DEFAULT_SCORE_TEMPERATURE, PromptWindow,
                                                   chain_block, chain_levels, choose, last_valid, level_index,
-                                                  opt_float, opt_int, set_rows, stack_q, swap_rows)
+                                                  column_chunks, opt_float, opt_int, set_rows, stack_q, swap_rows,
+                                                  take_waiting)
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import block_context, pad_chains, select_tree
@@ -217,24 +218,13 @@ class EagleProposer(PromptWindow, SpecModelProposer):
         t0 = time.perf_counter()
         b = st.b
         steps = [len(x) for x in self.deferred_tok[:b]]
-        prompt = [sum(int(t.numel()) for _, t in pp) for pp in self.prompt_pairs[:b]]
         dev = self.device
-        if any(prompt):
-            lo = next(r for r in range(b) if prompt[r])
-            hi = max(r for r in range(b) if prompt[r]) + 1
-            K = max(prompt)
-            f0 = next(f for pp in self.prompt_pairs[lo:hi] for f, _ in pp)
-            feats = f0.new_zeros(hi - lo, K, f0.shape[-1])
-            tok = torch.zeros(hi - lo, K, dtype=torch.long, device=dev)
-            for r in range(lo, hi):
-                if prompt[r]:
-                    feats[r - lo, :prompt[r]] = torch.cat([f for f, _ in self.prompt_pairs[r]])
-                    tok[r - lo, :prompt[r]] = torch.cat([t for _, t in self.prompt_pairs[r]])
-            val = torch.arange(K, device=dev)[None] < tensor(prompt[lo:hi], dev)[:, None]
-            width = max(1, self.chunk_tokens // (hi - lo))
-            for j in range(0, K, width):
-                cj = [min(max(c - j, 0), width) for c in prompt[lo:hi]]
-                before = max(ln - s - c + min(j, c) for ln, s, c in zip(st.lengths[lo:hi], steps[lo:hi], prompt[lo:hi]))
+        waiting = take_waiting(self.prompt_pairs, b)
+        if waiting is not None:
+            lo, hi, prompt, (feats, tok) = waiting
+            val = torch.arange(tok.shape[1], device=dev)[None] < tensor(prompt, dev)[:, None]
+            for j, width, cj in column_chunks(prompt, self.chunk_tokens):
+                before = max(ln - s - c + min(j, c) for ln, s, c in zip(st.lengths[lo:hi], steps[lo:hi], prompt))
                 self._read_block(st, tok[:, j:j + width], val[:, j:j + width], self.spec.fuse(feats[:, j:j + width]),
                                  tensor(cj, dev), before, mask=tensor([c > 0 for c in cj], dev, torch.bool),
                                  padded=True, lo=lo)
@@ -246,7 +236,6 @@ class EagleProposer(PromptWindow, SpecModelProposer):
                              mask=tensor([c > 0 for c in steps], dev, torch.bool), padded=True)
         for r in range(b):
             self.deferred_tok[r] = []
-            self.prompt_pairs[r] = []
         dt = time.perf_counter() - t0
         s, k, p = self._deferred_cost
         self._deferred_cost = (s + dt - pre, k + max(steps), p + pre)

@@ -43,7 +43,8 @@ from nemo_spec.inference.engine import DraftTree, PrefillChunk, StepResult, Step
 from nemo_spec.inference.sampling import SamplingError
 from nemo_spec.inference.proposers.base import SpecModelProposer
 from nemo_spec.inference.proposers.common import (DEFAULT_LAZY_DRAFT_STEPS, ParallelLevels, PromptWindow,
-                                                  chain_block, choose, level_index, opt_int, stack_q, swap_rows)
+                                                  chain_block, choose, column_chunks, level_index, opt_int, stack_q,
+                                                  swap_rows, take_waiting)
 from nemo_spec.inference.transfer import tensor
 from nemo_spec.inference.trees import pad_chains
 
@@ -258,28 +259,14 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         """Read the decode rows' waiting prompt pairs into the draft cache (they precede the rows' pending pairs):
         over the slots that have any, at most ``chunk_tokens`` pairs per forward."""
         t0 = time.perf_counter()
-        b = st.b
-        counts = [sum(int(t.numel()) for _, t in pp) for pp in self.prompt_pairs[:b]]
-        lo = next(r for r in range(b) if counts[r])
-        hi = max(r for r in range(b) if counts[r]) + 1
-        f0 = next(f for pp in self.prompt_pairs[lo:hi] for f, _ in pp)
-        dev = f0.device
-        K = max(counts)
-        feats = f0.new_zeros(hi - lo, K, f0.shape[-1])
-        tok = torch.zeros(hi - lo, K, dtype=torch.long, device=dev)
-        for r in range(lo, hi):
-            if counts[r]:
-                feats[r - lo, :counts[r]] = torch.cat([f for f, _ in self.prompt_pairs[r]])
-                tok[r - lo, :counts[r]] = torch.cat([t for _, t in self.prompt_pairs[r]])
-            self.prompt_pairs[r] = []
+        lo, hi, counts, (feats, tok) = take_waiting(self.prompt_pairs, st.b)
+        dev = tok.device
         view = self.cache.view(lo, hi)
-        width = max(1, self.chunk_tokens // (hi - lo))
-        for j in range(0, K, width):
-            cj = [min(max(c - j, 0), width) for c in counts[lo:hi]]
+        for j, width, cj in column_chunks(counts, self.chunk_tokens):
             # the draft holds a row's target length minus its pending pairs minus the prompt pairs still unread
-            before = max(n - p - c + min(j, c) for n, p, c in zip(st.lengths[lo:hi], self.pend_n[lo:hi], counts[lo:hi]))
+            before = max(n - p - c + min(j, c) for n, p, c in zip(st.lengths[lo:hi], self.pend_n[lo:hi], counts))
             n_dev = tensor(cj, dev)
-            valid = torch.arange(min(width, K - j), device=dev)[None] < n_dev[:, None]
+            valid = torch.arange(min(width, tok.shape[1] - j), device=dev)[None] < n_dev[:, None]
             ctx = chain_block(view, tok[:, j:j + width], valid, self.max_pos, max_length=before, padded=True,
                               unpadded=self.unpadded)
             self.spec.draft_step(tok[:, j:j + width], feats[:, j:j + width], ctx, head=False)
