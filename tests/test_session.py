@@ -494,13 +494,16 @@ def test_level0_steps_defer_the_dflash_context_injection_without_changing_any_dr
     assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited
 
 
-@pytest.mark.parametrize("method,rows,chunk", [("peagle", "mixed", None), ("peagle_tree", "mixed", None),
-                                               ("peagle", "swaps", None), ("peagle", "joins", None),
-                                               ("peagle", "mixed", 2), ("peagle", "swaps", 2)])
-def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows, chunk):
+@pytest.mark.parametrize("method,rows,chunk,window", [("peagle", "mixed", None, None),
+                                                      ("peagle_tree", "mixed", None, None),
+                                                      ("peagle", "swaps", None, None), ("peagle", "joins", None, None),
+                                                      ("peagle", "mixed", 2, None), ("peagle", "swaps", 2, None),
+                                                      ("peagle", "mixed", 2, 3)])
+def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(method, rows, chunk, window):
     """P-EAGLE at level 0: the step's pair joins the row's pending pairs (no draft forward) and the next drafting
     step's one forward reads them all, or one forward once lazy_draft_steps of them piled up; a prompt's pairs
-    wait for the row's first forward the same way (``chunk``: prompts prefilled, and read, a few pairs at a time).
+    wait for the row's first forward the same way (``chunk``: prompts prefilled, and read, a few pairs at a time;
+    ``window``: the draft reads only a prompt's last pairs, ``draft_prompt_tokens``).
     Against a forward at every level-0 step and the prompt read at prefill (lazy_draft_steps=0), under the same
     level schedule with rows joining, leaving and swapping slots: every proposal the same, greedy rows == AR,
     sampled rows the same tokens; fewer forwards; the waiting prompts' time is reported as draft prefill."""
@@ -519,7 +522,8 @@ def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(metho
 
         sess.proposer.swap = swap_spy
 
-    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, chunk=chunk, hook=spy_swaps)
+    opts = {"draft_prompt_tokens": window} if window else None
+    (eager, eager_s), (lazy, lazy_s) = _deferred_vs_stepwise(spec, method, rows, opts, chunk=chunk, hook=spy_swaps)
     assert rows != "joins" or sum(uneven) >= 2
     assert rows != "swaps" or any(waiting)
     assert lazy_s.stats()["draft_prefill_s"] > 0 and eager_s.stats()["draft_prefill_s"] == 0  # the prompts waited

@@ -65,33 +65,36 @@ def swap_rows(buf: Optional[torch.Tensor], i: int, j: int) -> None:
     buf[j] = tmp
 
 
-def take_waiting(waiting: List[list], b: int) -> Optional[Tuple[int, int, List[int], List[torch.Tensor]]]:
+def take_waiting(waiting: List[list], b: int) -> Optional[Tuple[int, int, List[int], List[Optional[list]]]]:
     """Empty the first ``b`` slots' waiting prompt parts (per slot, in arrival order, tuples of tensors [c, ...]
-    such as (features, tokens)) into right-padded blocks over the slots ``lo .. hi`` that hold any (rows that
-    joined lately sit together at the end of the decode range): (lo, hi, parts per slot lo..hi, one zero-padded
-    [hi - lo, K, ...] tensor per tuple element); None when no slot holds any."""
+    such as (features, tokens)) over the slots ``lo .. hi`` that hold any (rows that joined lately sit together at
+    the end of the decode range): (lo, hi, entries per slot lo..hi, per slot lo..hi its parts joined per tuple
+    element, or None); None when no slot holds any. Read them with :func:`column_chunks`."""
     counts = [sum(int(p[0].shape[0]) for p in w) for w in waiting[:b]]
     if not any(counts):
         return None
     lo = next(r for r in range(b) if counts[r])
     hi = max(r for r in range(b) if counts[r]) + 1
-    K = max(counts)
-    first = next(p for w in waiting[lo:hi] for p in w)
-    out = [t.new_zeros((hi - lo, K) + tuple(t.shape[1:])) for t in first]
+    rows = [[torch.cat([p[e] for p in w]) for e in range(len(w[0]))] if w else None for w in waiting[lo:hi]]
     for r in range(lo, hi):
-        if counts[r]:
-            for e, o in enumerate(out):
-                o[r - lo, :counts[r]] = torch.cat([p[e] for p in waiting[r]])
         waiting[r] = []
-    return lo, hi, counts[lo:hi], out
+    return lo, hi, counts[lo:hi], rows
 
 
-def column_chunks(counts: List[int], chunk_tokens: int):
-    """Split right-padded rows holding ``counts`` entries into column chunks of at most ``chunk_tokens`` entries
-    in all: yields (first column, columns, entries per row in the chunk)."""
-    width = max(1, chunk_tokens // max(1, len(counts)))
-    for j in range(0, max(counts, default=0), width):
-        yield j, width, [min(max(c - j, 0), width) for c in counts]
+def column_chunks(rows: List[Optional[list]], counts: List[int], chunk_tokens: int):
+    """Read :func:`take_waiting`'s rows in column chunks of ``max(1, chunk_tokens // len(rows))`` entries per row
+    (so about ``chunk_tokens`` in all): yields (first column j, entries per row in the chunk, one zero-padded
+    [rows, n, ...] block per tuple element, row i holding its entries j .. j + n_i). Only a chunk is padded."""
+    width = max(1, chunk_tokens // max(1, len(rows)))
+    first = next(r for r in rows if r is not None)
+    for j in range(0, max(counts), width):
+        cj = [min(max(c - j, 0), width) for c in counts]
+        blocks = [t.new_zeros((len(rows), max(cj)) + tuple(t.shape[1:])) for t in first]
+        for i, r in enumerate(rows):
+            if cj[i]:
+                for blk, t in zip(blocks, r):
+                    blk[i, :cj[i]] = t[j:j + cj[i]]
+        yield j, cj, blocks
 
 
 def level_index(levels: List[int], level: Optional[int]) -> int:

@@ -164,9 +164,9 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         t0 = time.perf_counter()
         waiting = take_waiting(self.prompt_f, b)
         if waiting is not None:  # over the slots that have one, at most chunk_tokens positions per write
-            lo, hi, prompt, (feats,) = waiting
-            for j, width, cj in column_chunks(prompt, self.chunk_tokens):
-                self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats[:, j:j + width]),
+            lo, hi, prompt, rows = waiting
+            for _, cj, (feats,) in column_chunks(rows, prompt, self.chunk_tokens):
+                self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
                                                      tensor(cj, feats.device))
         pre = time.perf_counter() - t0  # the prompts: draft prefill, not level-0 work
         n = self.deferred_n[:b]

@@ -221,13 +221,13 @@ class EagleProposer(PromptWindow, SpecModelProposer):
         dev = self.device
         waiting = take_waiting(self.prompt_pairs, b)
         if waiting is not None:
-            lo, hi, prompt, (feats, tok) = waiting
-            val = torch.arange(tok.shape[1], device=dev)[None] < tensor(prompt, dev)[:, None]
-            for j, width, cj in column_chunks(prompt, self.chunk_tokens):
+            lo, hi, prompt, rows = waiting
+            for j, cj, (feats, tok) in column_chunks(rows, prompt, self.chunk_tokens):
+                n_dev = tensor(cj, dev)
+                val = torch.arange(tok.shape[1], device=dev)[None] < n_dev[:, None]
                 before = max(ln - s - c + min(j, c) for ln, s, c in zip(st.lengths[lo:hi], steps[lo:hi], prompt))
-                self._read_block(st, tok[:, j:j + width], val[:, j:j + width], self.spec.fuse(feats[:, j:j + width]),
-                                 tensor(cj, dev), before, mask=tensor([c > 0 for c in cj], dev, torch.bool),
-                                 padded=True, lo=lo)
+                self._read_block(st, tok, val, self.spec.fuse(feats), n_dev, before,
+                                 mask=tensor([c > 0 for c in cj], dev, torch.bool), padded=True, lo=lo)
         pre = time.perf_counter() - t0  # the prompts' pairs: draft prefill, not level-0 work
         if any(steps):  # the level-0 steps' pairs: one forward over the step buffer
             K = max(steps)

@@ -259,17 +259,15 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         """Read the decode rows' waiting prompt pairs into the draft cache (they precede the rows' pending pairs):
         over the slots that have any, at most ``chunk_tokens`` pairs per forward."""
         t0 = time.perf_counter()
-        lo, hi, counts, (feats, tok) = take_waiting(self.prompt_pairs, st.b)
-        dev = tok.device
+        lo, hi, counts, rows = take_waiting(self.prompt_pairs, st.b)
         view = self.cache.view(lo, hi)
-        for j, width, cj in column_chunks(counts, self.chunk_tokens):
+        for j, cj, (feats, tok) in column_chunks(rows, counts, self.chunk_tokens):
             # the draft holds a row's target length minus its pending pairs minus the prompt pairs still unread
             before = max(n - p - c + min(j, c) for n, p, c in zip(st.lengths[lo:hi], self.pend_n[lo:hi], counts))
-            n_dev = tensor(cj, dev)
-            valid = torch.arange(min(width, tok.shape[1] - j), device=dev)[None] < n_dev[:, None]
-            ctx = chain_block(view, tok[:, j:j + width], valid, self.max_pos, max_length=before, padded=True,
-                              unpadded=self.unpadded)
-            self.spec.draft_step(tok[:, j:j + width], feats[:, j:j + width], ctx, head=False)
+            n_dev = tensor(cj, tok.device)
+            valid = torch.arange(tok.shape[1], device=tok.device)[None] < n_dev[:, None]
+            ctx = chain_block(view, tok, valid, self.max_pos, max_length=before, padded=True, unpadded=self.unpadded)
+            self.spec.draft_step(tok, feats, ctx, head=False)
             view.lengths += n_dev
             st.count_draft(1)
         self._prefill_s += time.perf_counter() - t0
