@@ -1,4 +1,4 @@
-"""Filesystem helpers shared by checkpoint saving and export: atomic directory publication."""
+"""Filesystem helpers shared by checkpoint saving, export and the benchmarks: atomic publication."""
 from __future__ import annotations
 
 import os
@@ -33,3 +33,16 @@ def publish_directory(tmp: Path, target: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """``text`` to ``path`` through a temporary name in the same folder, so no reader sees it half-written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -14,9 +14,9 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from nemo_spec import entry  # noqa: E402
 entry.setup()  # before megatron is imported: quiet its expected TE/Apex fallbacks
+from nemo_spec.fsutil import write_text_atomic  # noqa: E402
 
 
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                            a.schedulers.split(","), after_tokens=a.late_after_tokens)
         print(format_late(res))
         if a.json:
-            Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))
+            write_text_atomic(a.json, json.dumps([asdict(r) for r in res], indent=2))
         return 0
     if a.poisson:
         if not a.checkpoint:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                                  a.max_batch, a.schedulers.split(","), clients=a.clients, rounds=a.rounds)
         print(format_poisson(res))
         if a.json:
-            Path(a.json).write_text(json.dumps([asdict(r) for r in res], indent=2))
+            write_text_atomic(a.json, json.dumps([asdict(r) for r in res], indent=2))
         return 0
 
     server = None
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     if at8:
         print(f"throughput at 8 concurrent streams = {at8[0].speedup_vs_sequential:.2f}x sequential")
     if a.json:
-        Path(a.json).write_text(json.dumps(results_dict(res), indent=2))
+        write_text_atomic(a.json, json.dumps(results_dict(res), indent=2))
     return 0
 
 

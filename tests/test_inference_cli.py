@@ -241,3 +241,17 @@ def test_benchmark_targets_pick_the_batch1_eagle_rows():
     got = {t["name"]: (t["value"], t["target"], t["met"]) for t in bench.check_targets(rows, {"ar_vs_transformers_b1": 0.9})}
     assert got == {"EAGLE tree tau": (3.6, 3.5, True), "EAGLE (eagle) tokens/s vs our AR": (1.8, 2.0, False),
                    "our AR tokens/s vs transformers generate": (0.9, 1.0, False)}
+
+
+def test_benchmark_outputs_are_written_through_a_temporary_name(tmp_path):
+    """Benchmark result files (benchmark.py, --forward-rows, benchmark_serve.py --json) are replaced whole: a write
+    that fails leaves the previous file as it was and no temporary file behind."""
+    from nemo_spec.fsutil import write_text_atomic
+
+    out = tmp_path / "forwards.json"
+    assert write_text_atomic(out, '{"a": 1}') == out and out.read_text() == '{"a": 1}'
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(out, "x" * 100 + "\ud800")  # a lone surrogate: fails after the file was opened
+    assert out.read_text() == '{"a": 1}' and [p.name for p in tmp_path.iterdir()] == ["forwards.json"]
+    write_text_atomic(out, "new")
+    assert out.read_text() == "new" and len(list(tmp_path.iterdir())) == 1

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_spec.fsutil import write_text_atomic
 from nemo_spec.inference.generate import generate
 from nemo_spec.inference.proposers import PROPOSERS
 from nemo_spec.inference.proposers.common import PromptWindow
@@ -617,21 +618,13 @@ def plot(result: Dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _write_text(path: Path, text: str) -> Path:
-    """``text`` to ``path`` through a temporary name, so no reader sees it half-written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
-
-
 def write_outputs(result: Dict[str, Any], out_dir: Path) -> Dict[str, Path]:
     """Write benchmark.json, benchmark.md and benchmark.png into out_dir (atomically)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, text in [("benchmark.json", json.dumps(result, indent=2)), ("benchmark.md", to_markdown(result))]:
-        paths[name] = _write_text(out_dir / name, text)
+        paths[name] = write_text_atomic(out_dir / name, text)
     paths["benchmark.png"] = plot(result, out_dir / "benchmark.png")
     return paths
 
@@ -742,8 +735,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         table = forwards_markdown(res)
-        _write_text(out / "forwards.json", json.dumps(res, indent=2))
-        _write_text(out / "forwards.md", table)
+        write_text_atomic(out / "forwards.json", json.dumps(res, indent=2))
+        write_text_atomic(out / "forwards.md", table)
         sys.stdout.write(table + f"wrote {out / 'forwards.md'}, {out / 'forwards.json'}\n")
         return 0
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
