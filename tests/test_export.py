@@ -390,3 +390,20 @@ def test_eagle3_unsorted_aux_layers_import_back_in_aux_order(tmp_path, target):
         fresh.eagle_module.fc.weight.zero_()
     import_draft(fresh, exp)
     assert torch.equal(fresh.eagle_module.fc.weight, model.eagle_module.fc.weight)
+
+
+def test_exports_are_readable_by_other_users(exported):
+    """An export (base HF dir + draft) gets the modes a plain mkdir / open gives (0o777 / 0o666 less the umask):
+    tempfile.mkdtemp makes 0o700 folders and safetensors 0.8 writes 0o600 files, which an engine running under
+    another account (a vLLM container, a shared filesystem) could not read."""
+    import os
+
+    from nemo_spec.fsutil import current_umask
+
+    mask = current_umask()
+    for _, _, exp in exported.values():
+        paths = [exp, *exp.rglob("*")]
+        assert any(p.suffix == ".safetensors" for p in paths) and any(p.name == "base" for p in paths)
+        for p in paths:
+            want = (0o777 if p.is_dir() else 0o666) & ~mask
+            assert os.stat(p).st_mode & 0o777 == want, (p, oct(os.stat(p).st_mode & 0o777))

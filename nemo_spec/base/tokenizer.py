@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Union
 
+from nemo_spec.fsutil import default_modes
+
 log = logging.getLogger(__name__)
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -92,6 +94,7 @@ def save_tokenizer(tok, out_dir: Union[str, Path], model_max_length: int = 2048)
         (tmp / "special_tokens_map.json").write_text(
             json.dumps({k: v for k, v in specials.items() if v is not None}, indent=2) + "\n", encoding="utf-8")
         (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+        default_modes(tmp)  # mkdtemp made it 0o700
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

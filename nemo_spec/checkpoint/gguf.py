@@ -36,6 +36,7 @@ import torch
 from nemo_spec import parallel
 from nemo_spec.checkpoint.megatron import CheckpointError
 from nemo_spec.config import ConfigError, ModelConfig
+from nemo_spec.fsutil import default_modes
 
 log = logging.getLogger(__name__)
 
@@ -589,6 +590,7 @@ def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
             (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
         if out.exists():
             shutil.rmtree(out)
+        default_modes(tmp)  # mkdtemp made it 0o700
         try:
             os.replace(tmp, out)
         except OSError:

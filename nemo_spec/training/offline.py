@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nemo_spec.data.datamodule import DataParallelBatchSampler, EmptyDatasetError, split_indices
+from nemo_spec.fsutil import default_modes
 from nemo_spec.models.gpt import GPTOutput, gather_vocab, output_logits
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def _save_shard(tensors: Dict[str, torch.Tensor], path: Path) -> None:
 
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    default_modes(tmp)  # safetensors writes 0o600
     os.replace(tmp, path)
 
 
