@@ -136,6 +136,36 @@ def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method)
     assert sum(outs[0].stats["speculation_levels"].values()) == outs[0].stats["target_forwards"] - 1
 
 
+def test_adaptive_speculation_does_not_learn_step_costs_from_steps_that_timed_kernels(monkeypatch):
+    """A row count's first use times the CPU kernels inside that step (0.1-2 s): the controller must not take that
+    for the cost of drafting or verifying (it then chose plain decoding for ~100 steps of a draft accepting all 7
+    tokens). Steps in which kernel timing ran still teach acceptance, not costs; other steps teach both."""
+    import nemo_spec.models.fastpath as fp
+    from nemo_spec.inference.session import Session
+    from tests.speculative_utils import make_spec
+
+    def run(tuning_every_step):
+        spec = make_spec(tiny_llama(), "eagle3").eval()  # its own controller (one is kept per model and method)
+        if tuning_every_step:  # as if every step met a new row count
+            spent = iter(range(10 ** 6))
+            monkeypatch.setattr(fp, "tuning_seconds", lambda: float(next(spent)))
+        sess = Session(spec, "eagle", options={"num_draft_tokens": 3, "ignore_eos": True}, max_batch=2,
+                       adaptive=True)
+        hs = [sess.add(p, SamplingParams(max_new_tokens=12)) for p in ([5, 6, 7, 8], [9, 3, 1])]
+        sess.run()
+        monkeypatch.undo()
+        ctl = sess.adaptive
+        return ctl.verify.s1, ctl.draft.s1, sum(map(sum, ctl.trials)), [sess.result(h).tokens for h in hs], ctl.chosen
+
+    clean, tuned = run(False), run(True)
+    assert clean[0] > 0 and clean[1] > 0  # costs learnt
+    assert tuned[0] == 0 and tuned[1] == 0 and tuned[2] > 0  # no costs from timed-kernel steps; acceptance still
+    assert tuned[3] == clean[3]
+    # a trial of the largest level that measured nothing is tried again (before: plain decoding until the next
+    # trial, 32 steps on, as the costs of larger levels were extrapolated from 1-token steps)
+    assert list(tuned[4]) == [3]  # levels 0-3 (up to 3 draft tokens): the largest at every step
+
+
 def test_adaptive_acceptance_is_per_tree_level_and_shared_along_a_chain():
     """Trees: measuring a small tree's low acceptance leaves a larger tree's own (higher) measured acceptance
     alone, so the controller keeps choosing the large tree where it pays (shared per-depth counts made the large

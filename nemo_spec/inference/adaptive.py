@@ -180,14 +180,19 @@ class AdaptiveSpeculation:
         self.chosen[i] = self.chosen.get(i, 0) + 1
         return i
 
-    def observe(self, b: int, level: int, tree: Any, res: Any, draft_s: float, verify_s: float) -> None:
-        """Learn from one step: its timings and every row's accepted length."""
+    def observe(self, b: int, level: int, tree: Any, res: Any, draft_s: float, verify_s: float,
+                timed: bool = True) -> None:
+        """Learn from one step: its timings (unless ``timed`` is False: something else ran inside them) and every
+        row's accepted length."""
         n = tree.tokens.shape[1]
-        self.verify.add(b * (1 + n), verify_s)
-        own, d = self.own[level], self.verify.decay
-        own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
-        if self.forwards[level] > 0 and draft_s > 0:
-            self.draft.add(b, draft_s / self.forwards[level])
+        if not timed and level == len(self.levels) - 1:
+            self.since_top = self.explore_every  # the trial measured nothing: try the largest level again next step
+        if timed:
+            self.verify.add(b * (1 + n), verify_s)
+            own, d = self.own[level], self.verify.decay
+            own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
+            if self.forwards[level] > 0 and draft_s > 0:
+                self.draft.add(b, draft_s / self.forwards[level])
         if self.levels[level] == 0:
             return
         chain = tree.max_children is not None and tree.max_children <= 1

@@ -453,6 +453,7 @@ class Session:
         rows = self.slot_rows[:n]
         st = StepState(rows, self.max_pos)
         level = self.adaptive.choose(n) if self.adaptive is not None else None
+        k0 = fastpath.tuning_seconds()
         t0 = time.perf_counter()
         tree = self.proposer.propose(self, st, level)
         t1 = time.perf_counter()
@@ -471,8 +472,12 @@ class Session:
         lazy_s, lazy_steps, prefill_s = self.proposer.take_deferred_cost()
         self.decode_s["draft_prefill"] += prefill_s
         if self.adaptive is not None:
-            self.adaptive.observe(n, lv, tree, res, draft_s=draft_s - lazy_s - prefill_s, verify_s=t2 - t1)
-            self.adaptive.observe_deferred(lazy_s, lazy_steps)
+            # a one-off timing of CPU kernels (a row count's first use) inside the step is not what the step costs
+            timed = fastpath.tuning_seconds() == k0
+            self.adaptive.observe(n, lv, tree, res, draft_s=draft_s - lazy_s - prefill_s, verify_s=t2 - t1,
+                                  timed=timed)
+            if timed:
+                self.adaptive.observe_deferred(lazy_s, lazy_steps)
         for r, row in enumerate(rows):
             row.length += len(res.paths[r])
             row.levels[lv] = row.levels.get(lv, 0) + 1

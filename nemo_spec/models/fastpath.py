@@ -199,6 +199,15 @@ def tune(group: WeightGroup, rows: int, sweeps: int = 3, margin: float = 0.9) ->
                   {k[0]: v for k, v in list(group.choice.items()) if k[2] == rows})
 
 
+_TUNING_S = [0.0]  # seconds spent in tune() by this process
+
+
+def tuning_seconds() -> float:
+    """Seconds this process has spent timing small-row kernels so far: a caller that times its own work (the
+    adaptive speculation controller) can tell that a one-off kernel timing ran inside it."""
+    return _TUNING_S[0]
+
+
 def _ensure_tuned(group: WeightGroup, rows: int) -> bool:
     """Time ``group`` for ``rows`` rows (one tuning at a time per group) unless every shape it sweeps already has
     a kernel at this thread count; returns whether it timed."""
@@ -206,7 +215,11 @@ def _ensure_tuned(group: WeightGroup, rows: int) -> bool:
     with group.lock:
         if all((tuple(w.shape), w.dtype, rows, threads) in group.choice for w in _cpu_weights(group)):
             return False
-        tune(group, rows)
+        t0 = time.perf_counter()
+        try:
+            tune(group, rows)
+        finally:
+            _TUNING_S[0] += time.perf_counter() - t0
         return True
 
 
