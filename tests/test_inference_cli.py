@@ -70,6 +70,13 @@ def test_cli_stdin_file_methods_and_stats(ckpt, tmp_path):
                          "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "4",
                          "--ignore-eos"])
     assert rc == 0 and out.startswith("on the mat") and "prompt_lookup:" in err
+    # --adaptive: the same greedy tokens, the draft lengths chosen per step recorded
+    rc, out, err = _run(["--model", str(path), "-", "--method", "draft_model", "--draft-model", str(draft),
+                         "--max-new-tokens", "5", "--ignore-eos", "--stats-json", str(stats), "--adaptive"],
+                        stdin="the dog sat\nthe bird sang\n")
+    assert rc == 0 and [r["tokens"] for r in json.loads(stats.read_text())] == [r["tokens"] for r in rec]
+    assert all("adaptive" in r["stats"]["session"] for r in json.loads(stats.read_text()))
+    assert not any("adaptive" in r["stats"]["session"] for r in rec)
 
 
 def test_cli_errors(ckpt):

@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft length (eagle chain, draft_model, prompt_lookup; suffix: most tree nodes)")
+                   help="draft length (eagle chain, draft_model, prompt_lookup, peagle, dflash; suffix: most tree "
+                        "nodes)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose each step's draft length / tree size (down to none) from measured costs and "
+                        "acceptance (adaptive speculation)")
     p.add_argument("--depth", type=int, default=None, help="eagle_tree: tree depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="eagle_tree: top-k children per level")
     p.add_argument("--total-tokens", type=int, default=None, help="eagle_tree: draft nodes verified per step")
@@ -97,6 +101,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
                      ("compile", args.compile)]:
         if val is not None:
             opts[key] = val
+    if getattr(args, "adaptive", False):
+        opts["adaptive"] = True
     for key in ("medusa_choices", "tree_choices"):
         val = getattr(args, key)
         if val:
