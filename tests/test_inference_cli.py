@@ -53,6 +53,16 @@ def test_cli_streams_arg_prompt_and_matches_api(ckpt):
     ids = tok.encode("the cat sat", add_special_tokens=False)
     ref = generate(load_model(path), [ids], SamplingParams(max_new_tokens=6), options={"ignore_eos": True})[0]
     assert out == "the cat sat" + tok.decode(ref.tokens) + "\n"
+    # an empty prompt starts from BOS, else EOS (it used to be the pad id 0); this tokenizer has neither
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.cli import _start_ids
+
+    assert _start_ids(NS(bos_token_id=1, eos_token_id=2)) == [1]
+    assert _start_ids(NS(bos_token_id=None, eos_token_id=2)) == [2]
+    assert tok.bos_token_id is None and tok.eos_token_id is None
+    with pytest.raises(SamplingError, match="empty prompt and the tokenizer has no BOS or EOS token"):
+        _run(["--model", str(path), "", "--max-new-tokens", "6", "--ignore-eos"])
 
 
 def test_cli_stdin_file_methods_and_stats(ckpt, tmp_path):

@@ -91,6 +91,14 @@ def read_prompts(args: argparse.Namespace, stdin: TextIO) -> List[str]:
     return prompts
 
 
+def _start_ids(tokenizer: Any) -> List[int]:
+    """The ids an empty prompt starts from: the tokenizer's BOS (else its EOS, as many GPT-2-style tokenizers use)."""
+    for t in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if t is not None:
+            return [int(t)]
+    raise SamplingError("empty prompt and the tokenizer has no BOS or EOS token to start from")
+
+
 def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     """Method options dict for :func:`nemo_spec.inference.generate`."""
     opts: Dict[str, Any] = {}
@@ -166,7 +174,9 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start: start + args.batch_size]
-        ids = [tokenizer.encode(p, add_special_tokens=False) or [0] for p in chunk]
+        # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
+        # which DFlash drafts use as their mask token)
+        ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in chunk]
         stream = rank0 and not args.no_stream and len(chunk) == 1
         streamer = TextStreamer(tokenizer, stdout) if stream else None
         if stream:
