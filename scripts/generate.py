@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Generate text (AR or speculative: eagle, eagle_tree, medusa, draft_model, prompt_lookup); see --help."""
+"""Generate text (AR or speculative: eagle, eagle_tree, medusa, draft_model, prompt_lookup, suffix, peagle, peagle_tree,
+dflash, dflash_tree); see --help."""
 import logging
 import sys
 

@@ -89,8 +89,10 @@ def test_cli_stdin_file_methods_and_stats(ckpt, tmp_path):
     assert not any("adaptive" in r["stats"]["session"] for r in rec)
 
 
-def test_cli_errors(ckpt):
+def test_cli_errors(ckpt, tmp_path):
     path, _, _ = ckpt
+    with pytest.raises(SamplingError, match="no such checkpoint directory"):  # not "no tokenizer found"
+        _run(["--model", str(tmp_path / "missing"), "x"])
     with pytest.raises(SamplingError, match="draft-model"):
         _run(["--model", str(path), "x", "--method", "draft_model"])
     with pytest.raises(SamplingError, match="temperature"):

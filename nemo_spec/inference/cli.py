@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
@@ -162,6 +163,8 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
         raise SamplingError("--method draft_model needs --draft-model PATH")
     options = options_from_args(args)
     prompts = read_prompts(args, stdin)
+    if not os.path.exists(args.model):
+        raise SamplingError(f"--model {args.model}: no such checkpoint directory")
     tok_path = args.tokenizer or find_tokenizer_dir(args.model)
     if tok_path is None:
         raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")
