@@ -185,14 +185,14 @@ class AdaptiveSpeculation:
         """Learn from one step: its timings (unless ``timed`` is False: something else ran inside them) and every
         row's accepted length."""
         n = tree.tokens.shape[1]
-        if not timed and level == len(self.levels) - 1:
-            self.since_top = self.explore_every  # the trial measured nothing: try the largest level again next step
         if timed:
             self.verify.add(b * (1 + n), verify_s)
             own, d = self.own[level], self.verify.decay
             own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
             if self.forwards[level] > 0 and draft_s > 0:
                 self.draft.add(b, draft_s / self.forwards[level])
+        elif level == len(self.levels) - 1:
+            self.since_top = self.explore_every  # the trial measured nothing: try the largest level again next step
         if self.levels[level] == 0:
             return
         chain = tree.max_children is not None and tree.max_children <= 1
