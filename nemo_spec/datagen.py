@@ -14,12 +14,13 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set
+
+from nemo_spec.fsutil import atomic_text_file
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +113,8 @@ def finished_ids(path: Path) -> Set[str]:
 
 
 def _write_json_atomic(obj: Dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_text_file(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
 
 
 def make_client(cfg: DatagenConfig) -> Any:

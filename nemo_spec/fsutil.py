@@ -1,10 +1,13 @@
 """Filesystem helpers shared by checkpoint saving, export and the benchmarks: atomic publication."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
+from typing import Iterator, TextIO
 
 
 _DISPLACED = ".old-"
@@ -29,22 +32,26 @@ def current_umask() -> int:
     return mask
 
 
+def _default_mode(path: str, mask: int) -> int:
+    """0o666 (0o777 for a file with an execute bit, or a folder) less ``mask``."""
+    st = os.stat(path)
+    return (0o777 if os.path.isdir(path) or st.st_mode & 0o111 else 0o666) & ~mask
+
+
 def default_modes(root: Path) -> None:
-    """Give ``root`` (a file, or a folder and everything below it) the modes a plain ``mkdir`` / ``open`` would: 0o777 / 0o666 less the
-    umask (files with an execute bit keep one). ``tempfile.mkdtemp`` makes 0o700 folders and safetensors 0.8 writes
-    0o600 files, which an engine or user reading the output under another account could not open."""
+    """Give ``root`` (a file, or a folder and everything below it) the modes a plain ``mkdir`` / ``open`` would:
+    0o777 / 0o666 less the umask (files with an execute bit keep one). ``tempfile.mkdtemp`` / ``mkstemp`` make
+    0o700 / 0o600 and safetensors 0.8 writes 0o600 files, which an engine or user reading the output under
+    another account could not open."""
     mask = current_umask()
-    root = Path(root)
-    if root.is_file():
-        os.chmod(root, (0o777 if root.stat().st_mode & 0o111 else 0o666) & ~mask)
-        return
-    for dirpath, dirnames, filenames in os.walk(root):
-        os.chmod(dirpath, 0o777 & ~mask)
-        for name in filenames:
-            f = os.path.join(dirpath, name)
-            if not os.path.islink(f):
-                x = os.stat(f).st_mode & 0o111
-                os.chmod(f, (0o777 if x else 0o666) & ~mask)
+    paths = [str(root)]
+    if os.path.isdir(root):
+        for dirpath, _, filenames in os.walk(root):
+            paths += [dirpath] if dirpath != str(root) else []
+            paths += [os.path.join(dirpath, n) for n in filenames]
+    for f in paths:
+        if not os.path.islink(f):
+            os.chmod(f, _default_mode(f, mask))
 
 
 def publish_directory(tmp: Path, target: Path) -> None:
@@ -68,14 +75,27 @@ def publish_directory(tmp: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """``text`` to ``path`` through a temporary name in the same folder, so no reader sees it half-written."""
+@contextlib.contextmanager
+def atomic_text_file(path: Path) -> Iterator[TextIO]:
+    """A UTF-8 text file to write ``path`` through: a temporary file in the same folder (its parent is created),
+    renamed onto ``path`` with the default modes (:func:`default_modes`) when the block ends, removed if it
+    raises, so no reader sees a half-written ``path``."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        tmp.write_text(text)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+        default_modes(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
-    return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """``text`` to ``path`` through :func:`atomic_text_file`."""
+    with atomic_text_file(path) as f:
+        f.write(text)
+    return Path(path)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from nemo_spec.fsutil import atomic_text_file
 
 log = logging.getLogger(__name__)
 
@@ -234,17 +235,9 @@ def to_daring_anteater(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _atomic_write_lines(lines: Iterable[str], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_text_file(path) as f:
+        for line in lines:
+            f.write(line + "\n")
     return path
 
 

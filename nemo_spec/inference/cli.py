@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
+from nemo_spec.fsutil import write_text_atomic
 from nemo_spec.inference.sampling import SamplingError, SamplingParams
 from nemo_spec.inference.proposers import METHODS
 
@@ -200,8 +201,5 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
             records.append({"prompt": prompt, "text": res.text, "tokens": res.tokens,
                             "finish_reason": res.finish_reason, "stats": res.stats})
     if args.stats_json and rank0:
-        path = Path(args.stats_json)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(records, indent=2))
-        tmp.replace(path)
+        write_text_atomic(args.stats_json, json.dumps(records, indent=2))
     return 0
