@@ -533,3 +533,30 @@ def test_benchmark_draft_prompt_window_rows_side_by_side(llama):
     assert "| prefill s |" in bench.to_markdown(res)
     assert bench.build_parser().parse_args(["--model", "x", "--draft-prompt-tokens", "64", "128"]).draft_prompt_tokens \
         == [64, 128]
+
+
+def test_benchmark_chain_length_rows_side_by_side(llama):
+    """benchmark(chain_lengths=[N, ...]): the chain methods (an extra model's too) run once more drafting N tokens
+    per step (<method>+ndt=N, and +adaptive+ndt=N with adaptive, whose levels stop at N); tree methods not; every
+    row our AR tokens; the CLI flag reaches it."""
+    from nemo_spec.inference import benchmark as bench
+
+    m, _ = llama
+    spec = _spec(m, "eagle3")
+    res = bench.benchmark(spec, PROMPTS, methods=["prompt_lookup", "eagle", "eagle_tree"], batch_sizes=(2,),
+                          max_new_tokens=6, hf=False, repeats=1, options=OPTS, adaptive=True, chain_lengths=[1, 5],
+                          extra_models=[_spec(m, "dflash")])
+    got = {r["method"]: r for r in res["rows"]}
+    chains = {f"{c}{a}{n}" for c in ("prompt_lookup", "eagle", "dflash") for a in ("", "+adaptive")
+              for n in ("", "+ndt=1", "+ndt=5")}
+    assert set(got) == {"ar", "eagle_tree", "eagle_tree+adaptive", "dflash_tree", "dflash_tree+adaptive"} | chains
+    assert res["config"]["chain_lengths"] == [1, 5] and got["eagle+ndt=5"]["options"]["num_draft_tokens"] == 5
+    assert got["eagle"]["options"]["num_draft_tokens"] == OPTS["num_draft_tokens"]
+    assert got["eagle+adaptive+ndt=1"]["options"]["adaptive"] is True
+    assert max(got["eagle+adaptive+ndt=1"]["draft_nodes_chosen"]) <= 1
+    # an EAGLE chain of N costs N draft forwards a step (the tiny random draft is rarely right: about a step a token)
+    assert got["eagle+ndt=5"]["draft_forwards"] > 2 * got["eagle+ndt=1"]["draft_forwards"]
+    assert all(r["matches_ar"] == 1.0 for r in res["rows"])
+    assert bench.build_parser().parse_args(["--model", "x", "--chain-lengths", "6", "8"]).chain_lengths == [6, 8]
+    with pytest.raises(SamplingError, match="chain lengths"):
+        bench.benchmark(spec, PROMPTS, methods=["eagle"], hf=False, chain_lengths=[0])

@@ -113,6 +113,9 @@ SCHEDULES = ("fixed", "continuous")
 WINDOWED = tuple(m for m, cls in PROPOSERS.items() if issubclass(cls, PromptWindow))
 #: methods whose proposer defers a level-0 step's draft work (option lazy_draft_steps; --eager-catchup rows)
 LAZY_METHODS = tuple(m for m, cls in PROPOSERS.items() if cls.defers_level0)
+#: methods whose option num_draft_tokens is the length of the chain they draft (benchmark --chain-lengths adds
+#: their +ndt=N rows); suffix reads it as a cap on its tree's nodes, the tree methods take other options
+CHAIN_METHODS = ("eagle", "draft_model", "prompt_lookup", "peagle", "dflash")
 
 
 def run_hf(hf_model: Any, prompts: List[List[int]], mode: str, batch_size: int, max_new_tokens: int, pad_id: int,
@@ -170,7 +173,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
               compile_mode: Optional[str] = None,
               extra_models: Sequence[torch.nn.Module] = (), gemm_modes: Sequence[str] = (),
               schedule: str = "fixed", eager_catchup: bool = False,
-              draft_prompt_tokens: Sequence[int] = ()) -> Dict[str, Any]:
+              draft_prompt_tokens: Sequence[int] = (), chain_lengths: Sequence[int] = ()) -> Dict[str, Any]:
     """Run every configuration side by side, ``repeats`` rounds (best round each); returns {"rows", "summary", "config"}.
 
     ``options`` go to every method; ``tree_options`` (depth, top_k, total_tokens, score_temperature) only to
@@ -183,7 +186,9 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     (``<method>+adaptive+stepwise``: ``lazy_draft_steps=0``, level-0 steps pay their draft work, as before the
     deferred catch-up); each of ``draft_prompt_tokens`` (W) runs the EAGLE and P-EAGLE methods (extra models'
     too) once more with the draft reading only each prompt's last W pairs (``<method>+dpt=W`` rows, and
-    ``<method>+adaptive+dpt=W`` with ``adaptive``);
+    ``<method>+adaptive+dpt=W`` with ``adaptive``); each of ``chain_lengths`` (N) runs the chain methods
+    (:data:`CHAIN_METHODS`, extra models' too) once more drafting N tokens per step (``<method>+ndt=N`` rows, and
+    ``<method>+adaptive+ndt=N`` with ``adaptive``: N is then the largest level);
     with ``compile_mode`` (a torch.compile mode) every method also runs as ``<method>+compiled``; each of
     ``gemm_modes`` (``linear`` | ``transposed`` | ``auto``, see ``fastpath.SMALL_GEMM``) runs every method of the
     main model once more with that small-row CPU kernel rule (``<method>+gemm=<mode>`` rows, their speed-up taken
@@ -199,6 +204,8 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
     if any(b < 1 for b in batch_sizes):
         raise SamplingError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     _check_gemm_modes(gemm_modes)
+    if any(int(n) < 1 for n in chain_lengths):
+        raise SamplingError(f"chain lengths must be >= 1, got {list(chain_lengths)}")
     if schedule not in SCHEDULES:
         raise SamplingError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     ours = functools.partial(run_ours, schedule=schedule)
@@ -226,6 +233,10 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             for ad in ((False, True) if adaptive else (False,)):
                 rows.append((f"{'+adaptive' if ad else ''}+dpt={w}", {
                     **(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})}))
+        for n in (chain_lengths if m in CHAIN_METHODS else ()):
+            for ad in ((False, True) if adaptive else (False,)):
+                rows.append((f"{'+adaptive' if ad else ''}+ndt={n}", {
+                    **(opts or {}), "num_draft_tokens": int(n), **({"adaptive": True} if ad else {})}))
         for suffix, o in rows:
             jobs.append((f"nemo_spec {label}{suffix} batch {b}", functools.partial(
                 _relabel, f"{label}{suffix}", ours, mdl, prompts, m, b, max_new_tokens, draft, o)))
@@ -283,6 +294,7 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
                             "suffix_options": suffix_options or {}, "warm_prompts": len(warm_prompts or []),
                             "adaptive": adaptive, "eager_catchup": eager_catchup, "compile": compile_mode,
                             "draft_prompt_tokens": [int(w) for w in draft_prompt_tokens],
+                            "chain_lengths": [int(n) for n in chain_lengths],
                             "schedule": schedule,
                             "small_gemm": fastpath.SMALL_GEMM, "gemm_modes": list(gemm_modes),
                             "pretune_s": pretune_s,
@@ -676,6 +688,10 @@ def build_parser():
     p.add_argument("--draft-prompt-tokens", type=int, nargs="+", default=[],
                    help="also run the EAGLE and P-EAGLE methods with the draft reading only each prompt's last N tokens "
                         "(<method>+dpt=N rows; option draft_prompt_tokens) next to the whole prompt")
+    p.add_argument("--chain-lengths", type=int, nargs="+", default=[],
+                   help="also run the chain methods (eagle, draft_model, prompt_lookup, peagle, dflash) drafting N "
+                        "tokens per step (<method>+ndt=N rows; option num_draft_tokens) next to --num-draft-tokens "
+                        "(or each method's default)")
     p.add_argument("--compile", nargs="?", const="default", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="also run every method with its decode step compiled (<method>+compiled rows; "
@@ -755,7 +771,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        suffix_options=suffix_options, warm_prompts=warm or None, adaptive=args.adaptive,
                        compile_mode=args.compile, extra_models=extras, gemm_modes=args.gemm,
                        schedule=args.schedule, eager_catchup=args.eager_catchup,
-                       draft_prompt_tokens=args.draft_prompt_tokens)
+                       draft_prompt_tokens=args.draft_prompt_tokens, chain_lengths=args.chain_lengths)
     paths = write_outputs(result, Path(args.out_dir))
     sys.stdout.write(to_markdown(result))
     sys.stdout.write(f"wrote {', '.join(str(p) for p in paths.values())}\n")
