@@ -99,6 +99,19 @@ def test_cli_errors(ckpt, tmp_path):
         _run(["--model", str(path), "x", "--temperature", "-1"])
     with pytest.raises(SamplingError, match="no prompts"):
         _run(["--model", str(path)], stdin="")
+    # a prompt over the context fails before any prompt generates or is printed (the first one used to be
+    # streamed, then prompt 1 failed)
+    for argv in (["--max-new-tokens", "4"], ["--max-new-tokens", "4", "--no-stream"]):
+        out = io.StringIO()
+        with pytest.raises(SamplingError, match="prompt 1 has .* tokens, longer than the model context"):
+            cli.main(["--model", str(path), "-", *argv], stdin=io.StringIO("the cat sat\n" + TEXT * 8 + "\n"),
+                     stdout=out, stderr=io.StringIO())
+        assert out.getvalue() == ""
+    out = io.StringIO()
+    with pytest.raises(SamplingError, match="prompt 0: .* exceeds the model context"):
+        cli.main(["--model", str(path), "the cat sat", "--max-new-tokens", "100000"], stdin=io.StringIO(),
+                 stdout=out, stderr=io.StringIO())
+    assert out.getvalue() == ""
 
 
 def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):

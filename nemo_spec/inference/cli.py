@@ -127,14 +127,23 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 class TextStreamer:
-    """Prints newly accepted text of one row as it arrives (decodes the whole row, prints the new suffix)."""
+    """Prints newly accepted text of one row as it arrives (decodes the whole row, prints the new suffix).
+    ``prefix`` (the prompt) is printed with the first tokens, so nothing is printed for a request that fails
+    before it generates; :meth:`finish` prints it if no token came."""
 
-    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+    def __init__(self, tokenizer: Any, out: TextIO, prefix: str = "") -> None:
         self.tok, self.out = tokenizer, out
         self.ids: List[int] = []
         self.printed = ""
+        self.prefix: Optional[str] = prefix
+
+    def finish(self) -> None:
+        if self.prefix is not None:
+            self.out.write(self.prefix)
+            self.prefix = None
 
     def __call__(self, row: int, ids: List[int]) -> None:
+        self.finish()
         self.ids.extend(ids)
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # incomplete multi-byte character: wait for more tokens
@@ -153,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     from nemo_spec import parallel
     from nemo_spec.checkpoint import find_tokenizer_dir, load_model
     from nemo_spec.data.chat import load_tokenizer
-    from nemo_spec.inference.generate import generate
+    from nemo_spec.inference.generate import generate, get_engine
 
     args = build_parser().parse_args(argv)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -175,21 +184,24 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     rank0 = parallel.is_rank_zero()
+    # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
+    # which DFlash drafts use as their mask token)
+    all_ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in prompts]
+    engine = get_engine(model)
+    for i, ids in enumerate(all_ids):  # every prompt checked (context, token ids) before the first one generates
+        engine.check_row(i, ids, params, 0, None, None, tokenizer)
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start: start + args.batch_size]
-        # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
-        # which DFlash drafts use as their mask token)
-        ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in chunk]
+        ids = all_ids[start: start + args.batch_size]
         stream = rank0 and not args.no_stream and len(chunk) == 1
-        streamer = TextStreamer(tokenizer, stdout) if stream else None
-        if stream:
-            stdout.write(chunk[0])
+        streamer = TextStreamer(tokenizer, stdout, prefix=chunk[0]) if stream else None
         results = generate(model, ids, params, method=args.method, draft_model=draft, options=options,
                            tokenizer=tokenizer, on_tokens=streamer)
         for i, (prompt, res) in enumerate(zip(chunk, results)):
             if rank0:
-                if stream:
+                if streamer is not None:
+                    streamer.finish()
                     stdout.write("\n")
                 else:
                     stdout.write(f"=== [{start + i}] ===\n{prompt}{res.text}\n")
