@@ -481,6 +481,10 @@ def test_level0_steps_defer_the_eagle_catch_up_without_changing_any_draft(method
     assert lazy_st["draft_prefill_s"] > 0 and eager_st["draft_prefill_s"] == 0  # the prompts' pairs waited
     # prefill_s: the prompts' reading in all, the draft's deferred part included
     assert lazy_st["prefill_s"] > lazy_st["draft_prefill_s"] and eager_st["prefill_s"] > 0
+    # ... and not also in the draft time per step (it ran inside decode steps): the columns add up
+    for sess, st in ((lazy_s, lazy_st), (eager_s, eager_st)):
+        assert st["draft_ms_per_step"] * st["decode_steps"] / 1e3 == pytest.approx(
+            sess.decode_s["draft"] - st["draft_prefill_s"])
 
 
 @pytest.mark.parametrize("method,chunk,rows", [("dflash", None, "mixed"), ("dflash_tree", None, "mixed"),

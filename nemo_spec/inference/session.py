@@ -284,10 +284,12 @@ class Session:
                                "levels": dict(self.level_hist),
                                "draft_nodes_per_level": list(self.proposer.levels),
                                "decode_steps": self.decode_s["steps"],
-                               # per decode step: proposing (+ the proposer's post-acceptance update) vs verifying
-                               "draft_ms_per_step": 1e3 * self.decode_s["draft"] / k,
+                               # per decode step: proposing (+ the proposer's post-acceptance update) vs
+                               # verifying; draft prefills that waited for a row's first drafting step ran inside
+                               # decode steps but count as prompt reading (draft_prefill_s, prefill_s), not here,
+                               # so that prefill_s + decode_steps x (draft + verify) adds up
+                               "draft_ms_per_step": 1e3 * (self.decode_s["draft"] - self.decode_s["draft_prefill"]) / k,
                                "verify_ms_per_step": 1e3 * self.decode_s["verify"] / k,
-                               # of the draft time: draft prefills that waited for a row's first drafting step
                                "draft_prefill_s": self.decode_s["draft_prefill"],
                                # reading prompts in all: target prefill + the draft's, deferred or not
                                "prefill_s": self.prefill_s + self.decode_s["draft_prefill"]}
