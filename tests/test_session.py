@@ -256,6 +256,49 @@ def test_adaptive_trials_of_a_draft_that_does_not_pay_grow_rarer():
     assert ctl.explore_every == 32 and len(after) > 500 and after[-1] == 999
 
 
+def test_adaptive_chain_probes_one_level_deeper_after_a_whole_chain_was_accepted():
+    """A chain step measures the depths it drafted only. Seen on the quickstart's EAGLE-3 draft at batch 8: the
+    first trial of the largest chain (rows' first tokens after their prompts) accepted little; 32 plain steps later
+    the next trial accepted every token, but the old counts still made a 1-token chain the best bet, and at that
+    level the deeper depths were never measured again: 100 steps before the largest chain won (0.96x our AR where
+    the fixed 8-token chain gave 1.24x). Now a level whose whole chain every row accepted is followed by a probe
+    one level deeper, so the controller climbs within a few steps of that trial; a probe that loses (here: the
+    draft is right for exactly 2 tokens) is not repeated for explore_every steps, and trials of the largest chain
+    keep their interval while some drafting level wins."""
+    from types import SimpleNamespace as NS
+
+    from nemo_spec.inference.adaptive import AdaptiveSpeculation
+
+    prop = NS(levels=[0, 1, 2, 3, 4], level_depth=lambda i: i, draft_forwards=lambda i: i)
+    b = 8
+
+    def run(ctl, steps, accepted):
+        seq = []
+        for k in range(steps):
+            level = ctl.choose(b)
+            n = ctl.levels[level]
+            acc = accepted(k)
+            ctl.observe(b, level, NS(tokens=torch.zeros(b, n), sizes=None, max_children=1),
+                        NS(paths=[[0] * (min(a, n) + 1) for a in acc]), draft_s=1.7e-3 * n,
+                        verify_s=1e-3 * (5.6 + 0.42 * b * (1 + n)))  # the quickstart base's fit at batch 8
+            seq.append(level)
+        return seq
+
+    ctl = AdaptiveSpeculation(prop)
+    seq = run(ctl, 1, lambda k: [0, 1] * 4) + run(ctl, 150, lambda k: [4] * b)
+    assert seq[:33] == [4] + [0] * 32 and seq[33] == 4  # the poor first trial, plain decoding, the next trial
+    assert seq[34:38] == [1, 2, 3, 4] and seq.index(4, 38) < 45 and seq[-100:] == [4] * 100
+
+    ctl = AdaptiveSpeculation(prop)
+    seq = run(ctl, 300, lambda k: [2] * b)  # every row accepts exactly 2 draft tokens
+    probes = [k for k in range(1, 300) if seq[k] == 3 and seq[k - 1] == 2]
+    assert seq[-50:].count(2) >= 45 and len(probes) >= 2
+    assert all(y - x >= ctl.explore_base for x, y in zip(probes, probes[1:]))
+    # the draft pays (at 2 tokens), so the largest chain's trials stay every explore_every steps (they used to
+    # double as for a draft that does not pay at all, and deeper acceptance went unmeasured for up to 256 steps)
+    assert ctl.explore_every == ctl.explore_base and seq.count(4) >= 8
+
+
 def test_adaptive_verify_cost_of_a_level_follows_its_own_steps():
     """Verify time grows more slowly with width on wide steps (here 0.6 ms per token up to 8, 0.2 beyond). After
     a long spell of narrow level-0 steps the shared line extrapolates a 40-token step at twice its cost; the

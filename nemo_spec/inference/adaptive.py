@@ -17,9 +17,13 @@ step costs, plus that share). At large batches the target forward stops being ne
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
 acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step
-after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
-(say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
-elapsed. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
+after such a trial goes back to plain decoding, and is reset when a drafting level wins, so a draft that does not
+pay (say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
+elapsed. A chain step measures the depths it drafted only, so a chain level whose whole chain every row accepted
+is followed by one step one level deeper (a probe: one more token per row), unless such a probe of that level
+lost within the last ``explore_every`` steps: without it a first trial that happened to accept little (a row's
+first tokens after its prompt) left the deeper depths' estimates low, and a controller settled on a short chain
+never measured them again until the next trial of the largest level. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
 least d long (a shorter chain is a prefix of a longer one), so a chain step updates every level; a tree of
 another node budget holds other candidates at each depth (a 3-node tree accepts less at depth 1 than a 10-node
 one), so a tree step updates its own level only — measuring small trees must not make a larger one look as poor
@@ -101,6 +105,9 @@ class AdaptiveSpeculation:
         self.explore_every = self.explore_base = explore_every
         self.max_explore_every = max_explore_every
         self._trial = False  # the last step was a forced trial of the largest level
+        self._probe: Optional[int] = None  # a chain level to try next step (the chain below it was accepted whole)
+        self._probed: Optional[int] = None  # the level the last step probed
+        self._probe_after: Dict[int, int] = {}  # level -> the step from which it may be probed again
         self._measured_at = 0  # the step count at the last acceptance measurement
         self.steps = 0
         self.since_top = 0
@@ -171,9 +178,15 @@ class AdaptiveSpeculation:
         else:
             costs = self.verify_costs(b)
             i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j]))
+        if predicted and self._probed is not None and i < self._probed:  # the probe lost: not again for a while
+            self._probe_after[self._probed] = self.steps + self.explore_base
+        probe = self._probe
+        self._probe = self._probed = None
+        if predicted and probe is not None and i < probe:
+            i = self._probed = probe
         i = parallel.same_on_generation_ranks([i])[0]
-        if predicted and self._trial:  # the first choice after a trial: did the largest level win its place back?
-            self.explore_every = self.explore_base if i == top else min(2 * self.explore_every, self.max_explore_every)
+        if predicted and self._trial:  # the first choice after a trial: does the draft still pay at some level?
+            self.explore_every = self.explore_base if i > 0 else min(2 * self.explore_every, self.max_explore_every)
         self._trial = trial
         self.steps += 1
         self.since_top = 0 if i == top else self.since_top + 1
@@ -185,6 +198,7 @@ class AdaptiveSpeculation:
         """Learn from one step: its timings (unless ``timed`` is False: something else ran inside them) and every
         row's accepted length."""
         n = tree.tokens.shape[1]
+        self._probe = None
         if timed:
             self.verify.add(b * (1 + n), verify_s)
             own, d = self.own[level], self.verify.decay
@@ -204,6 +218,12 @@ class AdaptiveSpeculation:
         self.succ = [[s * f for s in ss] for ss in self.succ]
         # a chain's acceptance at depth d holds for every chain level reaching d; a tree's for its own level only
         updated = [j for j in range(1, len(self.levels)) if chain or j == level]
+        sizes = [tree.sizes[r] if tree.sizes is not None else n for r in range(len(res.paths))]
+        up = level + 1
+        if (chain and up < len(self.levels) and self.depths[up] > self.depths[level]
+                and self.steps >= self._probe_after.get(up, 0) and any(sizes)
+                and all(len(p) - 1 >= size for p, size in zip(res.paths, sizes))):
+            self._probe = up  # every row accepted its whole chain: measure one depth further next step
         for r, path in enumerate(res.paths):
             size = tree.sizes[r] if tree.sizes is not None else n
             if size == 0:
