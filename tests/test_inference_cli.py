@@ -99,14 +99,27 @@ def test_cli_errors(ckpt, tmp_path):
         _run(["--model", str(path), "x", "--temperature", "-1"])
     with pytest.raises(SamplingError, match="no prompts"):
         _run(["--model", str(path)], stdin="")
-    # a prompt over the context fails before any prompt generates or is printed (the first one used to be
-    # streamed, then prompt 1 failed)
-    for argv in (["--max-new-tokens", "4"], ["--max-new-tokens", "4", "--no-stream"]):
+    # a prompt over the context fails before any prompt generates or is printed (in batches of one, the first
+    # one used to be streamed, then prompt 1 failed)
+    for argv in (["--max-new-tokens", "4", "--batch-size", "1"],
+                 ["--max-new-tokens", "4", "--batch-size", "1", "--no-stream"]):
         out = io.StringIO()
         with pytest.raises(SamplingError, match="prompt 1 has .* tokens, longer than the model context"):
             cli.main(["--model", str(path), "-", *argv], stdin=io.StringIO("the cat sat\n" + TEXT * 8 + "\n"),
                      stdout=out, stderr=io.StringIO())
         assert out.getvalue() == ""
+    # ... also for the method's own limits (here a draft model whose context is too short for prompt 1)
+    short = tmp_path / "short_draft"
+    from nemo_spec.checkpoint.hf import export_hf
+
+    export_hf(build_gpt(tiny_llama(num_layers=1, max_position_embeddings=32)).eval(), short)
+    out = io.StringIO()
+    with pytest.raises(SamplingError, match="prompt 1: draft model context"):
+        cli.main(["--model", str(path), "-", "--method", "draft_model", "--draft-model", str(short),
+                  "--batch-size", "1", "--max-new-tokens", "4"],
+                 stdin=io.StringIO("the cat sat\n" + "the dog sat on the log " * 8 + "\n"),
+                 stdout=out, stderr=io.StringIO())
+    assert out.getvalue() == ""
     out = io.StringIO()
     with pytest.raises(SamplingError, match="prompt 0: .* exceeds the model context"):
         cli.main(["--model", str(path), "the cat sat", "--max-new-tokens", "100000"], stdin=io.StringIO(),

@@ -163,6 +163,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     from nemo_spec.checkpoint import find_tokenizer_dir, load_model
     from nemo_spec.data.chat import load_tokenizer
     from nemo_spec.inference.generate import generate, get_engine
+    from nemo_spec.inference.proposers import make_proposer
 
     args = build_parser().parse_args(argv)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -187,9 +188,15 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
     # which DFlash drafts use as their mask token)
     all_ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in prompts]
+    # every prompt checked (context, token ids, the method's own limits) before the first one generates
     engine = get_engine(model)
-    for i, ids in enumerate(all_ids):  # every prompt checked (context, token ids) before the first one generates
-        engine.check_row(i, ids, params, 0, None, None, tokenizer)
+    proposer = make_proposer(args.method, model, engine, draft, options)
+    for i, ids in enumerate(all_ids):
+        engine.check_row(i, ids, params, proposer.lookahead, None, None, tokenizer)
+        try:
+            proposer.check_row(ids, params)
+        except SamplingError as err:
+            raise SamplingError(f"prompt {i}: {err}") from None
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start: start + args.batch_size]
