@@ -263,8 +263,8 @@ def test_adaptive_chain_probes_one_level_deeper_after_a_whole_chain_was_accepted
     level the deeper depths were never measured again: 100 steps before the largest chain won (0.96x our AR where
     the fixed 8-token chain gave 1.24x). Now a level whose whole chain every row accepted is followed by a probe
     one level deeper, so the controller climbs within a few steps of that trial; a probe that loses (here: the
-    draft is right for exactly 2 tokens) is not repeated for explore_every steps, and trials of the largest chain
-    keep their interval while some drafting level wins."""
+    draft is right for exactly 2 tokens) is not repeated for explore_every steps and starts no probe of the level
+    above it."""
     from types import SimpleNamespace as NS
 
     from nemo_spec.inference.adaptive import AdaptiveSpeculation
@@ -287,16 +287,43 @@ def test_adaptive_chain_probes_one_level_deeper_after_a_whole_chain_was_accepted
     ctl = AdaptiveSpeculation(prop)
     seq = run(ctl, 1, lambda k: [0, 1] * 4) + run(ctl, 150, lambda k: [4] * b)
     assert seq[:33] == [4] + [0] * 32 and seq[33] == 4  # the poor first trial, plain decoding, the next trial
-    assert seq[34:38] == [1, 2, 3, 4] and seq.index(4, 38) < 45 and seq[-100:] == [4] * 100
+    assert seq[34:37] == [1, 2, 3] and seq.index(4, 34) < 42 and seq[-100:] == [4] * 100  # was: 1 until step 98
 
     ctl = AdaptiveSpeculation(prop)
     seq = run(ctl, 300, lambda k: [2] * b)  # every row accepts exactly 2 draft tokens
     probes = [k for k in range(1, 300) if seq[k] == 3 and seq[k - 1] == 2]
     assert seq[-50:].count(2) >= 45 and len(probes) >= 2
     assert all(y - x >= ctl.explore_base for x, y in zip(probes, probes[1:]))
-    # the draft pays (at 2 tokens), so the largest chain's trials stay every explore_every steps (they used to
-    # double as for a draft that does not pay at all, and deeper acceptance went unmeasured for up to 256 steps)
-    assert ctl.explore_every == ctl.explore_base and seq.count(4) >= 8
+
+    # every token accepted, but verifying more than 4 tokens a row costs a jump: 3 draft tokens are best; a probe of
+    # 4 wins nothing, and a lost probe does not go on to probe 5, 6, ... (it did: 3 3 4 5 6 7 8 3 3 ...)
+    deep = NS(levels=list(range(9)), level_depth=lambda i: i, draft_forwards=lambda i: i)
+    ctl = AdaptiveSpeculation(deep)
+    seq = []
+    for k in range(400):
+        level = ctl.choose(4)
+        n = ctl.levels[level]
+        ctl.observe(4, level, NS(tokens=torch.zeros(4, n), sizes=None, max_children=1), NS(paths=[[0] * (n + 1)] * 4),
+                    draft_s=1e-3 * n, verify_s=1e-3 * (4 + 0.3 * 4 * (1 + n) + (20 if n > 3 else 0)))
+        seq.append(level)
+    tail = seq[100:]
+    assert tail.count(3) >= 0.9 * len(tail) and not any(x == 4 and y == 5 for x, y in zip(tail, tail[1:]))
+
+    # what starts a probe: every row accepted its whole chain, some row's chain as deep as the level; chains only
+    ctl = AdaptiveSpeculation(prop)
+    ctl.steps = 5
+
+    def probe_after(accepted, sizes=None, max_children=1, level=2):
+        ctl.observe(len(accepted), level, NS(tokens=torch.zeros(len(accepted), 2), sizes=sizes,
+                                             max_children=max_children),
+                    NS(paths=[[0] * (a + 1) for a in accepted]), draft_s=2e-3, verify_s=1e-2)
+        return ctl._probe
+
+    assert probe_after([2, 2, 2]) == 3
+    assert probe_after([2, 1, 2]) is None  # one row rejected a draft token
+    assert probe_after([2, 2, 2], max_children=2) is None  # a tree's levels are not nested chains
+    assert probe_after([1, 1, 0], sizes=[1, 1, 0]) is None  # chains the matches cut short: no deeper depth drafted
+    assert probe_after([2, 1, 0], sizes=[2, 1, 0]) == 3
 
 
 def test_adaptive_verify_cost_of_a_level_follows_its_own_steps():

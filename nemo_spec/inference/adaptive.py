@@ -17,13 +17,15 @@ step costs, plus that share). At large batches the target forward stops being ne
 chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
 needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
 acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step
-after such a trial goes back to plain decoding, and is reset when a drafting level wins, so a draft that does not
-pay (say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
-elapsed. A chain step measures the depths it drafted only, so a chain level whose whole chain every row accepted
-is followed by one step one level deeper (a probe: one more token per row), unless such a probe of that level
-lost within the last ``explore_every`` steps: without it a first trial that happened to accept little (a row's
-first tokens after its prompt) left the deeper depths' estimates low, and a controller settled on a short chain
-never measured them again until the next trial of the largest level. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
+after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
+(say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
+elapsed. A chain step measures the depths it drafted only, so after a chain step in which every row accepted its
+whole chain (and some row's chain was as deep as the level) the next step takes the next level (a probe: the
+next chain length, one token more for EAGLE), unless a probe of that level lost within the last
+``explore_every`` steps as first set (``explore_base``); a probe that lost starts no probe of the level above it.
+Without probes a first trial that happened to accept little (the rows' first drafting steps after their
+prompts) left the deeper depths' estimates low, and a controller settled on a short chain never measured them
+again until the next trial of the largest level. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
 least d long (a shorter chain is a prefix of a longer one), so a chain step updates every level; a tree of
 another node budget holds other candidates at each depth (a 3-node tree accepts less at depth 1 than a 10-node
 one), so a tree step updates its own level only — measuring small trees must not make a larger one look as poor
@@ -178,15 +180,16 @@ class AdaptiveSpeculation:
         else:
             costs = self.verify_costs(b)
             i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j]))
-        if predicted and self._probed is not None and i < self._probed:  # the probe lost: not again for a while
-            self._probe_after[self._probed] = self.steps + self.explore_base
         probe = self._probe
+        if predicted and self._probed is not None and i < self._probed:  # the probe lost: not again for a while,
+            self._probe_after[self._probed] = self.steps + self.explore_base  # nor the levels above it now
+            probe = None
         self._probe = self._probed = None
         if predicted and probe is not None and i < probe:
             i = self._probed = probe
         i = parallel.same_on_generation_ranks([i])[0]
-        if predicted and self._trial:  # the first choice after a trial: does the draft still pay at some level?
-            self.explore_every = self.explore_base if i > 0 else min(2 * self.explore_every, self.max_explore_every)
+        if predicted and self._trial:  # the first choice after a trial: did the largest level win its place back?
+            self.explore_every = self.explore_base if i == top else min(2 * self.explore_every, self.max_explore_every)
         self._trial = trial
         self.steps += 1
         self.since_top = 0 if i == top else self.since_top + 1
@@ -221,9 +224,9 @@ class AdaptiveSpeculation:
         sizes = [tree.sizes[r] if tree.sizes is not None else n for r in range(len(res.paths))]
         up = level + 1
         if (chain and up < len(self.levels) and self.depths[up] > self.depths[level]
-                and self.steps >= self._probe_after.get(up, 0) and any(sizes)
+                and self.steps >= self._probe_after.get(up, 0) and max(sizes) >= self.depths[level]
                 and all(len(p) - 1 >= size for p, size in zip(res.paths, sizes))):
-            self._probe = up  # every row accepted its whole chain: measure one depth further next step
+            self._probe = up  # every row accepted its whole chain, one as deep as the level: measure deeper next step
         for r, path in enumerate(res.paths):
             size = tree.sizes[r] if tree.sizes is not None else n
             if size == 0:
