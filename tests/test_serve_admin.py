@@ -69,6 +69,10 @@ def test_api_keys_and_admin_load_switch_unload(model, tok, tok_dir, tmp_path):
         assert out.choices[0].text == _greedy_text(ref_a, tok, prompt, 8)
         listing = httpx.get(url + "/admin/models", headers=admin).json()["models"]
         assert {m["id"]: m["path"] for m in listing}["second"] == str(ckpt_a)
+        # what the switch left out is kept from the model it replaced (it used to fall back to the defaults)
+        assert {m["id"]: m["max_batch"] for m in listing}["second"] == 4
+        r = httpx.post(url + "/admin/models/switch", json={"name": "nothing", "path": str(ckpt_a)}, headers=admin)
+        assert r.status_code == 404
 
         r = httpx.post(url + "/admin/models/unload", json={"name": "second"}, headers=admin, timeout=60)
         assert r.status_code == 200

@@ -510,6 +510,8 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
 
     async def _load(request: Request, replace: bool) -> JSONResponse:
         data = await read_json_object(request)
+        if replace:  # a switch keeps what the request leaves out (method, options, max_batch, ...) of the model now
+            data = {**manager.get(str(data.get("name", ModelSpec.name))).spec.to_dict(), **data}  # 404 if none
         try:
             spec = ModelSpec.from_dict(data, "admin request")
         except (ConfigError, TypeError) as e:
@@ -517,8 +519,6 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         if not replace and spec.name in manager.names():
             raise P.APIError(409, f"model `{spec.name}` is already loaded; unload it or use /admin/models/switch",
                              "invalid_request_error", "name", "model_exists")
-        if replace:
-            manager.get(spec.name)  # 404 when there is nothing to switch
         try:
             served = await run_in_threadpool(manager.add, spec, replace)
         except (ModelLoadError, ConfigError) as e:
