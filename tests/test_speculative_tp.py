@@ -94,7 +94,7 @@ def test_tp2_matches_tp1_and_tp2_checkpoint_loads_at_tp1(tmp_path):
         assert all(torch.equal(sd[k], v) for k, v in cases[alg]["state_dict"].items())
 
 
-def test_gpt_speculate_end_to_end(tmp_path, caplog):
+def test_gpt_speculate_end_to_end(tmp_path, capsys):
     from nemo_spec.speculative.cli import main
 
     torch.manual_seed(0)
@@ -109,10 +109,11 @@ def test_gpt_speculate_end_to_end(tmp_path, caplog):
     # errors come before any loading and name the problem
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--num_eagle_layers", "1",
                  "--num_medusa_heads", "2"]) == 2
-    assert "both EAGLE" in caplog.text
+    err = capsys.readouterr().err
+    assert "both EAGLE" in err and err.startswith("error: ") and err.count("\n") == 1
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--algorithm", "eagle3",
                  "--draft_vocab_size", "500"]) == 2
-    assert "draft_vocab_size=500" in caplog.text and not (tmp_path / "x").exists()
+    assert "error: draft_vocab_size=500" in capsys.readouterr().err and not (tmp_path / "x").exists()
     # EAGLE-3 with a frequency-based draft vocabulary (in-process: same code path as the script)
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "e3"), "--algorithm", "eagle3",
                  "--num_eagle_layers", "1", "--draft_vocab_size", "32", "--token_counts", str(counts)]) == 0
@@ -126,7 +127,7 @@ def test_gpt_speculate_end_to_end(tmp_path, caplog):
     assert cfg["speculative"]["algorithm"] == "eagle3" and cfg["speculate_source"] == str(src)
     # existing export dir without --overwrite
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "e3"), "--algorithm", "eagle1"]) == 2
-    assert "already exists" in caplog.text
+    assert "already exists" in capsys.readouterr().err
     # the script itself under torchrun TP=2, NeMo spelling -> Medusa
     run_torchrun(ROOT / "scripts" / "gpt_speculate.py",
                  ["--model_path", src, "--export_dir", tmp_path / "med", "--num_eagle_layers", "0",

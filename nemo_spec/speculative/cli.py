@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -143,8 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   overwrite=args.overwrite, ep_size=args.ep_size, block_size=args.block_size,
                   target_layer_ids=_parse_aux(args.target_layer_ids, "--target_layer_ids"),
                   mask_token_id=args.mask_token_id)
-    except (ConfigError, CheckpointError, FileExistsError) as e:
-        log.error("%s", e)
+    except (ConfigError, CheckpointError, FileExistsError) as e:  # one line, as every script's user errors
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         if owns_parallel_state:
