@@ -227,8 +227,7 @@ class AdaptiveSpeculation:
                 and self.steps >= self._probe_after.get(up, 0) and max(sizes) >= self.depths[level]
                 and all(len(p) - 1 >= size for p, size in zip(res.paths, sizes))):
             self._probe = up  # every row accepted its whole chain, one as deep as the level: measure deeper next step
-        for r, path in enumerate(res.paths):
-            size = tree.sizes[r] if tree.sizes is not None else n
+        for path, size in zip(res.paths, sizes):
             if size == 0:
                 continue
             depth = min(size, self.depths[level]) if chain else self.depths[level]

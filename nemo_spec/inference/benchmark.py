@@ -229,14 +229,12 @@ def benchmark(model: torch.nn.Module, prompts: List[List[int]], draft_model: Opt
             rows.append(("+adaptive", {**(opts or {}), "adaptive": True}))
         if adaptive and eager_catchup and m in LAZY_METHODS:
             rows.append(("+adaptive+stepwise", {**(opts or {}), "adaptive": True, "lazy_draft_steps": 0}))
-        for w in (draft_prompt_tokens if m in WINDOWED else ()):
-            for ad in ((False, True) if adaptive else (False,)):
-                rows.append((f"{'+adaptive' if ad else ''}+dpt={w}", {
-                    **(opts or {}), "draft_prompt_tokens": int(w), **({"adaptive": True} if ad else {})}))
-        for n in (chain_lengths if m in CHAIN_METHODS else ()):
-            for ad in ((False, True) if adaptive else (False,)):
-                rows.append((f"{'+adaptive' if ad else ''}+ndt={n}", {
-                    **(opts or {}), "num_draft_tokens": int(n), **({"adaptive": True} if ad else {})}))
+        for values, takers, tag, option in ((draft_prompt_tokens, WINDOWED, "dpt", "draft_prompt_tokens"),
+                                            (chain_lengths, CHAIN_METHODS, "ndt", "num_draft_tokens")):
+            for v in (values if m in takers else ()):
+                for ad in ((False, True) if adaptive else (False,)):
+                    rows.append((f"{'+adaptive' if ad else ''}+{tag}={v}", {
+                        **(opts or {}), option: int(v), **({"adaptive": True} if ad else {})}))
         for suffix, o in rows:
             jobs.append((f"nemo_spec {label}{suffix} batch {b}", functools.partial(
                 _relabel, f"{label}{suffix}", ours, mdl, prompts, m, b, max_new_tokens, draft, o)))
