@@ -6,7 +6,11 @@ checkpoints, and its local ``DotProductAttention`` enters ``get_cuda_rng_tracker
 forward (for attention dropout; megatron/core/tensor_parallel/random.py ``CudaRNGStatesTracker.fork``
 raises "cuda rng state model-parallel-rng is not added" unless a CUDA seed was registered). On a machine
 without CUDA the first two are redirected to CPU equivalents and a fork of a state that was never added
-runs on the default (CPU) generator. On a machine with CUDA nothing is touched, except the Transformer-Engine-
+runs on the default (CPU) generator. Its tensor-parallel linears are ``autograd.Function``s whose forward and
+backward carry ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` (tensor_parallel/layers.py:68-69, 447,
+494): under CPU autocast (Lightning's ``bf16-mixed`` on CPU) the forward's matmul runs in bf16 but the backward
+runs outside autocast and fails ("expected m1 and m2 to have the same dtype"); on a machine without CUDA they
+record and restore the CPU autocast state instead (megatron-core 0.16; 0.15 is the same). On a machine with CUDA nothing is touched, except the Transformer-Engine-
 absent shim of :func:`apply_no_te_workarounds` (MoE router), which both need. MoE layers on CPU also need
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``); the layer
 spec sets it (models/spec.py).
@@ -32,6 +36,7 @@ def apply_cpu_workarounds() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     _cpu_rng_fork()
+    _cpu_autocast_linears()
     _APPLIED = True
     log.debug("megatron-core CPU workarounds applied (no CUDA device)")
     return True
@@ -62,6 +67,23 @@ def _cpu_rng_fork() -> None:
 
     fork._nemo_spec_cpu = True  # type: ignore[attr-defined]
     tracker.fork = fork  # type: ignore[assignment]
+
+
+def _cpu_autocast_linears() -> None:
+    """megatron's linear ``autograd.Function``s: their backward runs under the CPU autocast state their forward
+    saw (as ``custom_fwd/custom_bwd(device_type="cpu")``; megatron declares them for CUDA only). Without CUDA the
+    CUDA decorators are no-ops, so the CPU ones replace them (both would store the same ``ctx`` fields)."""
+    from megatron.core.tensor_parallel import layers
+
+    for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        fwd, bwd = cls.__dict__["forward"].__func__, cls.__dict__["backward"].__func__
+        if getattr(fwd, "_nemo_spec_cpu", False):
+            continue
+        fwd = torch.amp.custom_fwd(getattr(fwd, "__wrapped__", fwd), device_type="cpu")
+        bwd = torch.amp.custom_bwd(getattr(bwd, "__wrapped__", bwd), device_type="cpu")
+        fwd._nemo_spec_cpu = True  # type: ignore[attr-defined]
+        cls.forward = staticmethod(fwd)  # type: ignore[assignment]
+        cls.backward = staticmethod(bwd)  # type: ignore[assignment]
 
 
 def apply_no_te_workarounds() -> bool:

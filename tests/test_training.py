@@ -705,3 +705,67 @@ def test_gpu_bf16_training(base, tmp_path):
     assert next(res.module.model.draft.parameters()).is_cuda
     losses = _metric(cfg.run_dir, "train_loss")
     assert sum(losses[-4:]) < sum(losses[:4])
+
+
+def test_megatron_linears_train_under_cpu_autocast():
+    """megatron's tensor-parallel linears under CPU bf16 autocast (Lightning's bf16-mixed on CPU): the backward runs
+    under the forward's autocast state, as the same product through torch's own linear does. megatron declares the
+    autograd functions' custom_fwd/custom_bwd for CUDA only; without the CPU adaptation (nemo_spec/_cpu.py) the
+    backward raised "expected m1 and m2 to have the same dtype"."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from nemo_spec.models.spec import transformer_config
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU adaptation applies on machines without CUDA")
+    build_gpt(tiny_llama())  # parallel state + the CPU adaptations, as every model build does
+    tc = transformer_config(tiny_llama())
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(64, 96, config=tc, init_method=torch.nn.init.normal_, bias=False, gather_output=True)
+    row = RowParallelLinear(96, 64, config=tc, init_method=torch.nn.init.normal_, bias=False,
+                            input_is_parallel=True, skip_bias_add=True)
+    frozen = ColumnParallelLinear(64, 32, config=tc, init_method=torch.nn.init.normal_, bias=False,
+                                  gather_output=True)
+    frozen.weight.requires_grad_(False)  # megatron then uses LinearWithFrozenWeight
+    x = torch.randn(5, 3, 64)
+
+    def run(ours: bool):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if ours:
+                h = row(col(xi)[0])[0]
+                out = h + frozen(xi)[0].sum(-1, keepdim=True)
+            else:
+                h = torch.nn.functional.linear(torch.nn.functional.linear(xi, col.weight), row.weight)
+                out = h + torch.nn.functional.linear(xi, frozen.weight).sum(-1, keepdim=True)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads = [xi.grad, col.weight.grad, row.weight.grad]
+        col.weight.grad = row.weight.grad = None
+        return grads
+
+    for got, want in zip(run(True), run(False)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_cpu_bf16_mixed_training(base, tmp_path, algorithm):
+    """trainer.precision=bf16-mixed on CPU (bf16 autocast; fast on CPUs with native bf16 matmul): trains (loss
+    falls), the draft's weights and optimizer stay fp32, the frozen base does not move."""
+    model_path, data = base
+    cfg = small_train_config(tmp_path / algorithm, algorithm, steps=16, precision="bf16-mixed")
+    cfg.model_path, cfg.data.path, cfg.optim.lr = str(model_path), str(data), 1e-2
+    if algorithm == "dflash":
+        cfg.spec.num_eagle_layers, cfg.spec.block_size, cfg.spec.target_layer_ids = 2, 4, [0]
+    res = train(cfg, save_final=False)
+    losses = _metric(cfg.run_dir, "train_loss")
+    assert len(losses) == 16 and all(x == x for x in losses)
+    assert sum(losses[-4:]) < 0.95 * sum(losses[:4]), losses
+    model = res.module.model
+    assert all(p.dtype == torch.float32 for p in model.draft.parameters())
+    from nemo_spec.checkpoint import load_model
+
+    before = {k: v for k, v in load_model(model_path).state_dict().items() if isinstance(v, torch.Tensor)}
+    after = model.gpt.state_dict()
+    assert before and all(torch.equal(after[k], v) for k, v in before.items())
