@@ -37,6 +37,20 @@ def test_stage_needs_base_and_config_validation(tmp_path):
         Q.QuickstartConfig(train_steps=0).validate()
     with pytest.raises(ConfigError, match="extra has unknown stage"):
         Q.QuickstartConfig(extra={"nope": ["x"]}).validate()
+    with pytest.raises(ConfigError, match="train_precision must be one of"):
+        Q.QuickstartConfig(train_precision="bf16").validate()
+
+
+def test_train_precision_auto_follows_the_cpu(monkeypatch):
+    """auto trains in bf16 autocast only where the CPU multiplies bf16 natively; an explicit choice wins."""
+    import nemo_spec._cpu as cpu
+
+    for native, want in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        assert Q.train_precision(Q.QuickstartConfig()) == want
+        assert Q.train_precision(Q.QuickstartConfig(train_precision="32-true")) == "32-true"
+    args = Q.build_parser().parse_args(["--train_precision", "bf16-mixed"])
+    assert Q.config_from_args(args).train_precision == "bf16-mixed"
 
 
 def test_cli_reports_missing_stage(monkeypatch, tmp_path, capsys):
