@@ -686,6 +686,12 @@ def test_benchmark_reports_ratio():
     d = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2,
                              draft_vocab_size=32, draft_only=True)  # the draft step alone (long-sequence memory runs)
     assert d.draft_ms > 0 and d.draft_peak_mib > 0 and d.base_ms == d.base_peak_mib == d.ratio == 0
+    assert r.precision == d.precision == ("bf16-mixed" if torch.cuda.is_available() else "32-true")
+    h = benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, ttt_steps=2,
+                             draft_vocab_size=32, precision="bf16-mixed")  # both steps under bf16 autocast
+    assert h.precision == "bf16-mixed" and h.draft_ms > 0 and h.base_ms > 0
+    with pytest.raises(ValueError, match="precision must be 32-true or bf16-mixed"):
+        benchmark_train_step(tiny_llama(), "eagle3", batch_size=1, seq_len=16, iters=1, warmup=0, precision="fp8")
     from nemo_spec.training.benchmark import _parse
 
     _, cfg = _parse([])  # default model: the built-in `small` base shape

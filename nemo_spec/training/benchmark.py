@@ -43,6 +43,7 @@ class BenchResult:
     draft_peak_mib: float = 0.0
     idle_mib: float = 0.0  # before the first step: weights, inputs, the interpreter
     formulation: str = "linear"
+    precision: str = "32-true"  # 32-true | bf16-mixed (bf16 autocast around both steps)
 
     def as_dict(self) -> Dict[str, object]:
         """Plain dict (for printing/JSON)."""
@@ -143,7 +144,7 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
                          seq_len: int = 256, iters: int = 5, warmup: int = 2, ttt_steps: int = 3,
                          num_eagle_layers: int = 1, num_medusa_heads: int = 4, draft_vocab_size: Optional[int] = None,
                          device: Optional[str] = None, seed: int = 0, reference: bool = False,
-                         draft_only: bool = False) -> BenchResult:
+                         draft_only: bool = False, precision: Optional[str] = None) -> BenchResult:
     """Median time of one draft training step (base no-grad forward + draft forward/backward) vs one base
     forward+backward (LM loss, all base parameters trainable) on the same random batch; ``cfg`` defaults to the
     ``small`` base shape, ``draft_vocab_size`` (EAGLE-3) to the whole base vocabulary. ``reference``: time the
@@ -157,8 +158,11 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
     cfg = cfg or small_base_config()
     dev = torch.device(device) if device else (torch.device("cuda") if torch.cuda.is_available()
                                                else torch.device("cpu"))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast(
-        "cpu", enabled=False)
+    if precision is None:  # what the recipe's trainer presets use: trainer=gpu bf16 autocast, trainer=cpu fp32
+        precision = "bf16-mixed" if dev.type == "cuda" else "32-true"
+    if precision not in ("32-true", "bf16-mixed"):
+        raise ValueError(f"precision must be 32-true or bf16-mixed, got {precision!r}")
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     torch.manual_seed(seed)
     base = build_gpt(cfg, device=dev)
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=dev)
@@ -209,7 +213,7 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
     res = BenchResult(base_ms, draft_ms, draft_ms / base_ms if base_ms else 0.0, algorithm, batch_size, seq_len, str(dev),
                       spec.draft_vocab_size if eagle3 else None, torch.get_num_threads(),
                       round(mem.peaks.get("base", 0) / mib, 1), round(mem.peaks.get("draft", 0) / mib, 1),
-                      round(idle / mib, 1), "reference" if reference else "linear")
+                      round(idle / mib, 1), "reference" if reference else "linear", precision)
     log.info("draft %s step %.1f ms vs base fwd+bwd %.1f ms: ratio %.2f", algorithm, draft_ms, base_ms, res.ratio)
     return res
 
@@ -229,6 +233,9 @@ def _parse(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, ModelConf
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--precision", default=None, choices=["32-true", "bf16-mixed"],
+                   help="bf16-mixed: bf16 autocast around both steps (default: bf16-mixed on CUDA, 32-true on CPU, "
+                        "as trainer=gpu / trainer=cpu)")
     p.add_argument("--reference", action="store_true",
                    help="time the quadratic-memory reference formulation (explicit TTT masks, full base logits)")
     p.add_argument("--draft_only", action="store_true",
@@ -263,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> BenchResult:
     try:
         r = benchmark_train_step(cfg, a.algorithm, a.batch, a.seq, iters=a.iters, warmup=a.warmup,
                                  ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab, device=a.device,
-                                 reference=a.reference, draft_only=a.draft_only)
+                                 reference=a.reference, draft_only=a.draft_only, precision=a.precision)
     finally:
         parallel.destroy()
     print(json.dumps(r.as_dict(), indent=2))
