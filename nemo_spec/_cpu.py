@@ -6,17 +6,15 @@ checkpoints, and its local ``DotProductAttention`` enters ``get_cuda_rng_tracker
 forward (for attention dropout; megatron/core/tensor_parallel/random.py ``CudaRNGStatesTracker.fork``
 raises "cuda rng state model-parallel-rng is not added" unless a CUDA seed was registered). On a machine
 without CUDA the first two are redirected to CPU equivalents and a fork of a state that was never added
-runs on the default (CPU) generator. Its tensor-parallel linears are ``autograd.Function``s whose forward and
-backward carry ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` (tensor_parallel/layers.py:68-69, 447,
-494): under CPU autocast (Lightning's ``bf16-mixed`` on CPU) the forward's matmul runs in bf16 but the backward
-runs outside autocast and fails ("expected m1 and m2 to have the same dtype"); on a machine without CUDA they
-record and restore the CPU autocast state instead (megatron-core 0.16; 0.15 is the same). On a machine with CUDA nothing is touched, except the Transformer-Engine-
-absent shim of :func:`apply_no_te_workarounds` (MoE router), which both need. MoE layers on CPU also need
+runs on the default (CPU) generator. On a machine with CUDA nothing is touched, except the
+Transformer-Engine-absent shim of :func:`apply_no_te_workarounds` (MoE router) and the CPU autocast state of
+megatron's linears (:func:`_cpu_autocast_linears`), which both need. MoE layers on CPU also need
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``); the layer
 spec sets it (models/spec.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -29,6 +27,7 @@ def apply_cpu_workarounds() -> bool:
     """Redirect megatron-core's CUDA-only calls to CPU when CUDA is unavailable; returns True if applied."""
     global _APPLIED
     apply_no_te_workarounds()
+    _cpu_autocast_linears()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -36,7 +35,6 @@ def apply_cpu_workarounds() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     _cpu_rng_fork()
-    _cpu_autocast_linears()
     _APPLIED = True
     log.debug("megatron-core CPU workarounds applied (no CUDA device)")
     return True
@@ -77,20 +75,40 @@ def _cpu_rng_fork() -> None:
 
 
 def _cpu_autocast_linears() -> None:
-    """megatron's linear ``autograd.Function``s: their backward runs under the CPU autocast state their forward
-    saw (as ``custom_fwd/custom_bwd(device_type="cpu")``; megatron declares them for CUDA only). Without CUDA the
-    CUDA decorators are no-ops, so the CPU ones replace them (both would store the same ``ctx`` fields)."""
+    """Let megatron's linear ``autograd.Function``s train under CPU autocast (Lightning's ``bf16-mixed`` on CPU, on
+    any machine: the quickstart and ``trainer=cpu`` train on CPU also where CUDA exists).
+
+    Their forward and backward carry ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` (megatron-core 0.16.1
+    tensor_parallel/layers.py:68-69, 447, 494; 0.15.3 the same at 66-67, 439, 486), which record and restore
+    CUDA's autocast state only: under CPU autocast the forward's matmul runs in bf16 and the backward outside
+    autocast, which fails ("expected m1 and m2 to have the same dtype"). Around megatron's own functions (left as
+    they are, CUDA autocast stays theirs) the forward records the CPU autocast state in a ctx field of its own and
+    the backward runs under it."""
     from megatron.core.tensor_parallel import layers
 
     for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
         fwd, bwd = cls.__dict__["forward"].__func__, cls.__dict__["backward"].__func__
-        if getattr(fwd, "_nemo_spec_cpu", False):
-            continue
-        fwd = torch.amp.custom_fwd(getattr(fwd, "__wrapped__", fwd), device_type="cpu")
-        bwd = torch.amp.custom_bwd(getattr(bwd, "__wrapped__", bwd), device_type="cpu")
-        fwd._nemo_spec_cpu = True  # type: ignore[attr-defined]
-        cls.forward = staticmethod(fwd)  # type: ignore[assignment]
-        cls.backward = staticmethod(bwd)  # type: ignore[assignment]
+        if not getattr(fwd, "_nemo_spec_cpu_autocast", False):
+            cls.forward, cls.backward = _with_cpu_autocast_state(fwd, bwd)  # type: ignore[assignment]
+
+
+def _with_cpu_autocast_state(fwd, bwd):
+    """(forward, backward) staticmethods around ``fwd`` / ``bwd``: the backward runs under the CPU autocast state
+    (enabled, dtype) that the forward saw."""
+
+    @functools.wraps(fwd)
+    def forward(ctx, *args, **kwargs):
+        ctx._nemo_spec_cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        return fwd(ctx, *args, **kwargs)
+
+    @functools.wraps(bwd)
+    def backward(ctx, *grads):
+        enabled, dtype = ctx._nemo_spec_cpu_autocast
+        with torch.autocast("cpu", enabled=enabled, dtype=dtype):
+            return bwd(ctx, *grads)
+
+    forward._nemo_spec_cpu_autocast = True  # type: ignore[attr-defined]
+    return staticmethod(forward), staticmethod(backward)
 
 
 def apply_no_te_workarounds() -> bool:

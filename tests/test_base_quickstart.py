@@ -53,6 +53,41 @@ def test_train_precision_auto_follows_the_cpu(monkeypatch):
     assert Q.config_from_args(args).train_precision == "bf16-mixed"
 
 
+def test_train_stage_gets_the_precision(monkeypatch, tmp_path):
+    """The resolved precision is the train stage's trainer.precision (and in its cache key); fp32 adds nothing, so
+    an fp32 run keeps the key it had before the option existed."""
+    import json
+
+    import nemo_spec._cpu as cpu
+
+    spec = tmp_path / "speculate"
+    spec.mkdir()
+    (spec / "nemo_spec_config.json").write_text(json.dumps({"speculative": {"algorithm": "eagle3"}}))
+    commands = []
+
+    class Ran(Exception):
+        pass
+
+    def fake_run(stage, argv, log):
+        commands.append(argv)
+        raise Ran
+
+    monkeypatch.setattr(Q, "_run", fake_run)
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        res = Q.QuickstartResult(work_dir=tmp_path / f"w{native}")
+        res.outputs.update(speculate=spec, data=tmp_path / "data")
+        with pytest.raises(Ran):
+            Q._stage_train(Q.QuickstartConfig(preset="tiny"), None, res)
+    bf16, fp32 = commands
+    assert "trainer.precision=bf16-mixed" in bf16
+    assert not any(a.startswith("trainer.precision=") for a in fp32)
+    def rest(argv):
+        return [a for a in argv if not a.startswith(("trainer.precision=", "run_dir="))]
+
+    assert rest(bf16) == rest(fp32)
+
+
 def test_cli_reports_missing_stage(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(Q.STAGE_REQUIREMENTS, "speculate", ("nemo_spec.no_such_module", None))
     rc = Q.main(["--preset", "tiny", "--cache_dir", str(tmp_path), "--stages", "speculate"])

@@ -715,15 +715,14 @@ def test_gpu_bf16_training(base, tmp_path):
 
 def test_megatron_linears_train_under_cpu_autocast():
     """megatron's tensor-parallel linears under CPU bf16 autocast (Lightning's bf16-mixed on CPU): the backward runs
-    under the forward's autocast state, as the same product through torch's own linear does. megatron declares the
-    autograd functions' custom_fwd/custom_bwd for CUDA only; without the CPU adaptation (nemo_spec/_cpu.py) the
-    backward raised "expected m1 and m2 to have the same dtype"."""
+    under the forward's autocast state, as the same product through torch's own linear does (on any machine: CPU
+    training happens where CUDA exists too). megatron declares the autograd functions' custom_fwd/custom_bwd for
+    CUDA only; without the adaptation (nemo_spec/_cpu.py) the backward raised "expected m1 and m2 to have the same
+    dtype"."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from nemo_spec.models.spec import transformer_config
 
-    if torch.cuda.is_available():
-        pytest.skip("the CPU adaptation applies on machines without CUDA")
     build_gpt(tiny_llama())  # parallel state + the CPU adaptations, as every model build does
     tc = transformer_config(tiny_llama())
     torch.manual_seed(0)

@@ -379,12 +379,15 @@ def _stage_train(cfg: QuickstartConfig, base: BaseModel, res: QuickstartResult) 
     saved = json.loads((res.outputs["speculate"] / "nemo_spec_config.json").read_text()).get("speculative") or {}
     # the draft shape is the one gpt_speculate saved: pass it through so the recipe does not re-shape it
     spec = [f"spec.{k}={'null' if v is None else json.dumps(v).replace(' ', '')}" for k, v in sorted(saved.items())]
+    precision = train_precision(cfg)
+    # (32-true is the recipe's CPU default: an fp32 run keeps the cache key it always had)
+    precision_override = [f"trainer.precision={precision}"] if precision != "32-true" else []
     overrides = [
         f"model_path={res.outputs['speculate']}", "spec=eagle3", *spec, *_train_data(cfg, res),
         f"data.max_seq_len={cfg.train_seq_len}",
         f"run_dir={run_dir}", "resume=auto", f"trainer.max_steps={cfg.train_steps}",
         f"trainer.train_bs={cfg.train_bs}", f"optim.lr={cfg.train_lr}", f"optim.min_lr={cfg.train_lr / 10}",
-        f"trainer.seed={cfg.seed}", f"trainer.precision={train_precision(cfg)}", *cfg.extra.get("train", []),
+        f"trainer.seed={cfg.seed}", *precision_override, *cfg.extra.get("train", []),
     ]
     if _reuse_or_reset(res, "train", overrides, [run_dir], lambda: (final / "nemo_spec_config.json").is_file()):
         return True
