@@ -42,7 +42,8 @@ def apply_cpu_workarounds() -> bool:
 
 def native_bf16() -> bool:
     """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX tiles, per torch's CPU feature probe):
-    there bf16 autocast makes CPU training faster; elsewhere it emulates bf16 and is slower than fp32."""
+    there bf16 autocast makes CPU training faster (README, Train); elsewhere bf16 is emulated (an earlier host
+    without it ran bf16 draft steps no faster than fp32)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 

@@ -82,6 +82,7 @@ def test_train_stage_gets_the_precision(monkeypatch, tmp_path):
     bf16, fp32 = commands
     assert "trainer.precision=bf16-mixed" in bf16
     assert not any(a.startswith("trainer.precision=") for a in fp32)
+
     def rest(argv):
         return [a for a in argv if not a.startswith(("trainer.precision=", "run_dir="))]
 

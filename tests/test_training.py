@@ -769,6 +769,8 @@ def test_cpu_bf16_mixed_training(base, tmp_path, algorithm):
     assert sum(losses[-4:]) < 0.95 * sum(losses[:4]), losses
     model = res.module.model
     assert all(p.dtype == torch.float32 for p in model.draft.parameters())
+    adam = [t for st in res.trainer.optimizers[0].state.values() for k, t in st.items() if k.startswith("exp_avg")]
+    assert adam and all(t.dtype == torch.float32 for t in adam)
     from nemo_spec.checkpoint import load_model
 
     before = {k: v for k, v in load_model(model_path).state_dict().items() if isinstance(v, torch.Tensor)}

@@ -25,6 +25,10 @@ from nemo_spec.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+#: the trainer precisions timed here: fp32, or bf16 autocast around both steps (Lightning's names)
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
 @dataclass
 class BenchResult:
     """Median milliseconds per step for the base fwd+bwd and the draft training step, their ratio, and the peak
@@ -43,7 +47,7 @@ class BenchResult:
     draft_peak_mib: float = 0.0
     idle_mib: float = 0.0  # before the first step: weights, inputs, the interpreter
     formulation: str = "linear"
-    precision: str = "32-true"  # 32-true | bf16-mixed (bf16 autocast around both steps)
+    precision: str = "32-true"  # one of PRECISIONS
 
     def as_dict(self) -> Dict[str, object]:
         """Plain dict (for printing/JSON)."""
@@ -160,8 +164,8 @@ def benchmark_train_step(cfg: Optional[ModelConfig] = None, algorithm: str = "ea
                                                else torch.device("cpu"))
     if precision is None:  # what the recipe's trainer presets use: trainer=gpu bf16 autocast, trainer=cpu fp32
         precision = "bf16-mixed" if dev.type == "cuda" else "32-true"
-    if precision not in ("32-true", "bf16-mixed"):
-        raise ValueError(f"precision must be 32-true or bf16-mixed, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be {' or '.join(PRECISIONS)}, got {precision!r}")
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     torch.manual_seed(seed)
     base = build_gpt(cfg, device=dev)
@@ -233,7 +237,7 @@ def _parse(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, ModelConf
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--precision", default=None, choices=["32-true", "bf16-mixed"],
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="bf16-mixed: bf16 autocast around both steps (default: bf16-mixed on CUDA, 32-true on CPU, "
                         "as trainer=gpu / trainer=cpu)")
     p.add_argument("--reference", action="store_true",
