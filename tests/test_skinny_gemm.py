@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -164,3 +165,35 @@ def test_rms_norm_equals_torch_and_rows_are_independent(monkeypatch):
             with fastpath.small_gemm_rule(mode), torch.no_grad():
                 torch.testing.assert_close(fastpath.norm(norm, x), norm(x), atol=1e-6, rtol=1e-6)
     assert calls == [(3, 1, 16), (3, 1, 16)]  # few rows under auto and skinny only
+
+
+def _cpu_flags() -> set:
+    return set(skinny_gemm._cpu_flags().split())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not skinny_gemm.available(),
+                    reason="x86-64 ISA levels; needs the kernel's build prerequisites")
+@pytest.mark.parametrize("march,needs", [("x86-64-v3", {"avx2", "fma"}), ("x86-64", set())])
+def test_other_isa_levels_give_the_same_guarantees(fresh_load, monkeypatch, threads, march, needs):
+    """The library is built with -march=native, so CI hosts differ in which of its paths they run: AVX-512 (16
+    lanes), AVX2 (8 lanes) or SSE2 (GCC lowers the 8-lane vector type to pairs of 4). Each path this host can
+    execute is built here and must give F.linear's product with every row bitwise independent of the row count
+    (across several row groups) and of the thread count."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
+    monkeypatch.setattr(skinny_gemm, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f
+                                                    for f in skinny_gemm.FLAGS))
+    assert skinny_gemm.available(), skinny_gemm.unavailable_reason()
+    assert len(os.listdir(fresh_load)) == 1  # built afresh for this -march
+    torch.manual_seed(7)
+    for k, n in ((576, 130), (19, 7)):
+        w, x = torch.randn(n, k), torch.randn(20, k)
+        ref = None
+        for t in (1, 2):
+            threads(t)
+            one = torch.cat([skinny_gemm.linear(x[i:i + 1], w) for i in range(20)])
+            torch.testing.assert_close(one, F.linear(x, w), atol=1e-4, rtol=1e-5)
+            assert ref is None or torch.equal(one, ref)
+            ref = one
+            for m in range(1, 21):
+                assert torch.equal(skinny_gemm.linear(x[:m], w), one[:m]), (march, t, m)

@@ -2,74 +2,79 @@
 //
 // Built and loaded by nemo_spec/models/skinny_gemm.py (g++ -O3 -march=native -ffp-contract=off -fopenmp).
 // A CPU GEMM library blocks such products for big M; with M of 1-16 it leaves most of the memory bandwidth
-// unused, while the product is bound by reading w once. Here each output column o streams its row of w once and
-// multiplies it into all M rows of x (which stay in L1), so w is read once for any M up to MAXM; the output
-// columns are split over the caller's OpenMP team (torch's own libgomp, so one thread team per process).
+// unused, while the product is bound by reading w once. Here the output columns are split over the caller's
+// OpenMP team (torch's own libgomp, so one thread team per process); each thread walks its weight rows in blocks
+// of about BLOCK_BYTES and multiplies every block into the rows of x in groups of at most MAXR rows (one vector
+// accumulator per row, the group's rows of x in L1): the first group reads the block from memory, the others
+// from cache, so w is read from memory once for any M. (One pass over up to 24 rows, as this kernel did before,
+// is bound by the loads of x: its products of 8-40 rows over SmolLM2's layers took 1.3-1.6x as long on an
+// AVX-512 host.)
 //
 // Every output element is summed in the same order whatever M is (VW lane partial sums over k, then the lanes
 // in order, then the tail), and no multiply-add is contracted: a row's result does not depend on how many rows
-// are computed with it, so a verification block gives bit for bit the logits of one-row decode steps.
+// are computed with it, so a verification block gives bit for bit the logits of one-row decode steps. (Fused
+// multiply-adds and a halving lane sum were tried: 2-3 rows ran 1.1-1.4x slower on that host.)
 #include <omp.h>
 
 #if defined(__AVX512F__)
 #define VW 16
-#define MAXM 24
 #else
-#define VW 8   // AVX2 / SSE / NEON: GCC lowers the 32-byte vector type to what the target has
-#define MAXM 12
+#define VW 8  // AVX2 / SSE / NEON: GCC lowers the 32-byte vector type to what the target has
 #endif
+#define MAXR 6  // rows of x per group (one accumulator each)
+#define BLOCK_BYTES 65536  // weight rows per block: about this many bytes
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // unaligned loads
 
-template <int M>
+// y[r, o] = x[r] . w[o] for the R rows of x and the weight rows o in [o0, o1)
+template <int R>
 static void columns(const float* x, const float* w, float* y, long K, long N, long o0, long o1) {
   const long kv = K / VW * VW;
   for (long o = o0; o < o1; ++o) {
     const float* wr = w + o * K;
-    vf acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = (vf){};
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = (vf){};
     for (long k = 0; k < kv; k += VW) {
       const vf wv = *(const vfu*)(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] += wv * *(const vfu*)(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r] += wv * *(const vfu*)(x + r * K + k);
     }
-    for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
       float s = 0.f;
-      for (int j = 0; j < VW; ++j) s += acc[m][j];
-      for (long k = kv; k < K; ++k) s += wr[k] * x[m * K + k];
-      y[m * N + o] = s;
+      for (int j = 0; j < VW; ++j) s += acc[r][j];
+      for (long k = kv; k < K; ++k) s += wr[k] * x[r * K + k];
+      y[r * N + o] = s;
     }
   }
 }
 
 typedef void (*columns_fn)(const float*, const float*, float*, long, long, long, long);
 
-template <int... Ms>
+template <int... Rs>
 struct Table {
-  static constexpr columns_fn fns[sizeof...(Ms)] = {&columns<Ms>...};
+  static constexpr columns_fn fns[sizeof...(Rs)] = {&columns<Rs>...};
 };
-#if MAXM > 12
-static const columns_fn* const kColumns = Table<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
-                                                21, 22, 23, 24>::fns;
-#else
-static const columns_fn* const kColumns = Table<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>::fns;
-#endif
+static const columns_fn* const kColumns = Table<1, 2, 3, 4, 5, 6>::fns;
 
-extern "C" int nemo_spec_skinny_max_rows_per_pass() { return MAXM; }
+extern "C" int nemo_spec_skinny_max_rows_per_pass() { return MAXR; }
 
-// Rows beyond MAXM are done in ceil(M / MAXM) passes of near-equal size (each pass reads w again).
 extern "C" void nemo_spec_skinny_linear(const float* x, const float* w, float* y, long M, long K, long N,
                                         int threads) {
-  const long passes = (M + MAXM - 1) / MAXM;
+  const long groups = (M + MAXR - 1) / MAXR;
+  long block = BLOCK_BYTES / (4 * K);
+  if (block < 1) block = 1;
 #pragma omp parallel num_threads(threads)
   {
     const long nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const long chunk = (N + nt - 1) / nt, o0 = t * chunk, o1 = o0 + chunk < N ? o0 + chunk : N;
-    long m0 = 0;
-    for (long p = 0; p < passes; ++p) {
-      const long mm = (M - m0) / (passes - p);
-      if (o0 < o1) kColumns[mm - 1](x + m0 * K, w, y + m0 * N, K, N, o0, o1);
-      m0 += mm;
+    const long chunk = (N + nt - 1) / nt, o0 = t * chunk < N ? t * chunk : N, o1 = o0 + chunk < N ? o0 + chunk : N;
+    for (long b0 = o0; b0 < o1; b0 += block) {
+      const long b1 = b0 + block < o1 ? b0 + block : o1;
+      long m0 = 0;
+      for (long g = 0; g < groups; ++g) {
+        const long mm = (M - m0) / (groups - g);
+        kColumns[mm - 1](x + m0 * K, w, y + m0 * N, K, N, b0, b1);
+        m0 += mm;
+      }
     }
   }
 }

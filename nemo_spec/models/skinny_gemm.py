@@ -2,8 +2,9 @@
 
 CPU GEMM libraries leave most of the memory bandwidth unused for such skinny products: on the project's 2-core
 host SmolLM2-135M's 30 layers of weights (0.42 GB fp32) stream through ``F.linear`` at ~12 GB/s for one row and
-~6 GB/s for 2-16 rows, while the host reads ~30 GB/s. The kernel streams each weight row once and multiplies it
-into every row of x, splitting the output columns over torch's own OpenMP thread team.
+~6 GB/s for 2-16 rows, while the host reads ~30 GB/s. The kernel splits the output columns over torch's own OpenMP
+thread team and multiplies each block of weight rows into the rows of x in groups of up to 6, the block read from
+memory once (see the source's header).
 
 It is built on first use with the system C++ compiler (``$CXX``, default ``g++``; ``-O3 -march=native``) into
 ``$NEMO_SPEC_KERNEL_DIR`` (default ``~/.cache/nemo_spec/kernels``), keyed by the source, the compiler, the CPU's
