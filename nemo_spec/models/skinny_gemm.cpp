@@ -61,7 +61,8 @@ extern "C" int nemo_spec_skinny_max_rows_per_pass() { return MAXR; }
 extern "C" void nemo_spec_skinny_linear(const float* x, const float* w, float* y, long M, long K, long N,
                                         int threads) {
   const long groups = (M + MAXR - 1) / MAXR;
-  long block = BLOCK_BYTES / (4 * K);
+  // blocks only where there are later groups to reuse them (one group: one uninterrupted sweep)
+  long block = groups == 1 ? N : BLOCK_BYTES / (4 * K);
   if (block < 1) block = 1;
 #pragma omp parallel num_threads(threads)
   {
