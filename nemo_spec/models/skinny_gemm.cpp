@@ -7,7 +7,7 @@
 // of about BLOCK_BYTES and multiplies every block into the rows of x in groups of at most MAXR rows (one vector
 // accumulator per row, the group's rows of x in L1): the first group reads the block from memory, the others
 // from cache, so w is read from memory once for any M. (One pass over up to 24 rows, as this kernel did before,
-// is bound by the loads of x: its products of 8-40 rows over SmolLM2's layers took 1.3-1.6x as long on an
+// is bound by the loads of x: its products of 8-40 rows over SmolLM2's layers took 1.4-1.5x as long on an
 // AVX-512 host.)
 //
 // Every output element is summed in the same order whatever M is (VW lane partial sums over k, then the lanes
