@@ -14,9 +14,12 @@ smaller level measured by its own steps (so noise alone does not buy verified no
 running mean, per level-0 step, of the draft work such a step put off to a later one (EAGLE reads a run of
 level-0 steps' tokens into its draft in one forward when it next drafts: a level-0 step then costs what an AR
 step costs, plus that share). At large batches the target forward stops being nearly free per token and the
-chosen draft shrinks, down to none. The first two steps measure the largest level and plain decoding (the fit
-needs two token counts); every ``explore_every`` steps at a lower level the largest is tried once more so
-acceptance keeps being measured — an interval that doubles (up to ``max_explore_every``) each time the step
+chosen draft shrinks, down to none. The first two steps measure the smallest level and plain decoding (the fit
+needs two token counts); the third tries the largest, and every ``explore_every`` steps at a lower level it is
+tried once more so acceptance keeps being measured — each such trial only if the largest level, with every draft
+token accepted, would beat the level the model would choose (a trial that cannot pay measures nothing worth its
+cost: on SmolLM2-135M at batch 8 a 48-node tree's verification of 392 tokens took as long as ~15 decode steps, and
+the trial that used to open every session cost 0.77x our AR) — an interval that doubles (up to ``max_explore_every``) each time the step
 after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
 (say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
 elapsed. A chain step measures the depths it drafted only, so after a chain step in which every row accepted its
@@ -107,6 +110,7 @@ class AdaptiveSpeculation:
         self.explore_every = self.explore_base = explore_every
         self.max_explore_every = max_explore_every
         self._trial = False  # the last step was a forced trial of the largest level
+        self._top_tried = False  # a timed step of the largest level was observed (a trial is due until then)
         self._probe: Optional[int] = None  # a chain level to try next step (the chain below it was accepted whole)
         self._probed: Optional[int] = None  # the level the last step probed
         self._probe_after: Dict[int, int] = {}  # level -> the step from which it may be probed again
@@ -166,20 +170,34 @@ class AdaptiveSpeculation:
             self.deferred_s = self.deferred_s * 0.9 + seconds
             self.deferred_steps = self.deferred_steps * 0.9 + steps
 
+    def best_case_rate(self, b: int, i: int, verify_s: float) -> float:
+        """Tokens per second of a b-row step at level i if every row accepted all its draft tokens."""
+        t = verify_s + self.forwards[i] * self.draft.predict(b)
+        return b * (1 + self.depths[i]) / t if t > 0 else float("inf")
+
     def choose(self, b: int) -> int:
         """The level for the next step of ``b`` rows."""
         top = len(self.levels) - 1
         if top == 0:
             return 0
-        trial = self.steps == 0 or self.since_top >= self.explore_every
-        predicted = not trial and self.steps > 1 and self.verify.ready
-        if trial:
+        fitted = self.steps > 1 and self.verify.ready
+        costs = self.verify_costs(b) if fitted else None
+        best = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j])) if costs else 0
+        initial = not self._top_tried  # the largest level has not been measured yet
+        trial = self.steps > 1 and (initial or self.since_top >= self.explore_every)
+        if trial and costs is not None and best != top:
+            # a trial that could not win even if every draft token were accepted measures nothing worth its cost
+            # (a 48-node tree over 8 rows of a 135M model: one 392-token verification, ~15 decode steps)
+            trial = self.best_case_rate(b, top, costs[top]) > self.predicted_rate(b, best, costs[best])
+        predicted = not trial and fitted
+        if self.steps < 2:  # the fit needs two token counts: the smallest draft, then plain decoding
+            i = 1 if self.steps == 0 else 0
+        elif trial:
             i = top
         elif not predicted:
             i = 0
         else:
-            costs = self.verify_costs(b)
-            i = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j]))
+            i = best
         probe = self._probe
         if predicted and self._probed is not None and i < self._probed:  # the probe lost: not again for a while,
             self._probe_after[self._probed] = self.steps + self.explore_base  # nor the levels above it now
@@ -190,7 +208,8 @@ class AdaptiveSpeculation:
         i = parallel.same_on_generation_ranks([i])[0]
         if predicted and self._trial:  # the first choice after a trial: did the largest level win its place back?
             self.explore_every = self.explore_base if i == top else min(2 * self.explore_every, self.max_explore_every)
-        self._trial = trial
+        # interval trials only: a first trial's outcome (rows' first drafting steps) does not stretch the interval
+        self._trial = trial and i == top and not initial
         self.steps += 1
         self.since_top = 0 if i == top else self.since_top + 1
         self.chosen[i] = self.chosen.get(i, 0) + 1
@@ -203,6 +222,7 @@ class AdaptiveSpeculation:
         n = tree.tokens.shape[1]
         self._probe = None
         if timed:
+            self._top_tried = self._top_tried or level == len(self.levels) - 1
             self.verify.add(b * (1 + n), verify_s)
             own, d = self.own[level], self.verify.decay
             own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
