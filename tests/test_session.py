@@ -333,8 +333,8 @@ def test_adaptive_chain_probes_one_level_deeper_after_a_whole_chain_was_accepted
 
 def test_adaptive_never_tries_a_level_that_could_not_pay_even_if_every_draft_token_were_accepted():
     """Measured on SmolLM2-135M at batch 8 (2026-12-06): a decode step 61 ms, a 48-node EAGLE-2 tree's
-    verification of 8 x 49 tokens ~0.85 s. The controller used to open every session with a trial of its largest
-    level: one such step cost ~15 decode steps (0.77x our AR over 64 tokens). Now the first two steps measure the
+    verification of 8 x 49 tokens 0.66-0.85 s. The controller used to open every session with a trial of its largest
+    level: one such step cost 11-14 decode steps (0.77-0.95x our AR over 64 tokens). Now the first two steps measure the
     smallest level and plain decoding, and the largest is tried (first, and every explore_every steps) only if,
     with every draft token accepted, it would beat the level the model chose. Here 7 tokens a row in 0.9 s lose to
     1 in 61 ms, so it never runs; where the largest level is cheap, it is tried at the third step and again when

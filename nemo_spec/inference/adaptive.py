@@ -18,8 +18,8 @@ chosen draft shrinks, down to none. The first two steps measure the smallest lev
 needs two token counts); the third tries the largest, and every ``explore_every`` steps at a lower level it is
 tried once more so acceptance keeps being measured — each such trial only if the largest level, with every draft
 token accepted, would beat the level the model would choose (a trial that cannot pay measures nothing worth its
-cost: on SmolLM2-135M at batch 8 a 48-node tree's verification of 392 tokens took as long as ~15 decode steps, and
-the trial that used to open every session cost 0.77x our AR) — an interval that doubles (up to ``max_explore_every``) each time the step
+cost: on SmolLM2-135M at batch 8 a 48-node tree's verification of 392 tokens took as long as 11-14 decode steps,
+and sessions that opened with that trial ran at 0.77-0.95x our AR) — an interval that doubles (up to ``max_explore_every``) each time the step
 after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
 (say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
 elapsed. A chain step measures the depths it drafted only, so after a chain step in which every row accepted its
