@@ -110,7 +110,6 @@ class AdaptiveSpeculation:
         self.explore_every = self.explore_base = explore_every
         self.max_explore_every = max_explore_every
         self._trial = False  # the last step was a forced trial of the largest level
-        self._top_tried = False  # a timed step of the largest level was observed (a trial is due until then)
         self._probe: Optional[int] = None  # a chain level to try next step (the chain below it was accepted whole)
         self._probed: Optional[int] = None  # the level the last step probed
         self._probe_after: Dict[int, int] = {}  # level -> the step from which it may be probed again
@@ -183,11 +182,11 @@ class AdaptiveSpeculation:
         fitted = self.steps > 1 and self.verify.ready
         costs = self.verify_costs(b) if fitted else None
         best = max(range(top + 1), key=lambda j: self.predicted_rate(b, j, costs[j])) if costs else 0
-        initial = not self._top_tried  # the largest level has not been measured yet
+        initial = self.own[top][0] == 0  # no timed step of the largest level yet: a trial is due
         trial = self.steps > 1 and (initial or self.since_top >= self.explore_every)
         if trial and costs is not None and best != top:
             # a trial that could not win even if every draft token were accepted measures nothing worth its cost
-            # (a 48-node tree over 8 rows of a 135M model: one 392-token verification, ~15 decode steps)
+            # (a 48-node tree over 8 rows of a 135M model: one 392-token verification, 11-14 decode steps)
             trial = self.best_case_rate(b, top, costs[top]) > self.predicted_rate(b, best, costs[best])
         predicted = not trial and fitted
         if self.steps < 2:  # the fit needs two token counts: the smallest draft, then plain decoding
@@ -222,7 +221,6 @@ class AdaptiveSpeculation:
         n = tree.tokens.shape[1]
         self._probe = None
         if timed:
-            self._top_tried = self._top_tried or level == len(self.levels) - 1
             self.verify.add(b * (1 + n), verify_s)
             own, d = self.own[level], self.verify.decay
             own[:] = [own[0] * d + 1.0, own[1] * d + b * (1 + n), own[2] * d + verify_s]
