@@ -1,39 +1,38 @@
 """Speculation that adapts to the batch: per step, the draft level with the most expected tokens per second.
 
-The proposer offers levels (draft nodes per row, from 0 = plain decoding up to its configured size). For a
-step of ``b`` rows at level ``i`` the controller predicts
+The proposer offers levels (draft nodes per row, from 0 = plain decoding up to its configured size). For a step of
+``b`` rows at level ``i`` the controller predicts
 
     tokens(i)  = b * E[accepted + 1 | level i]           from the running per-depth acceptance at that level
     seconds(i) = T_verify(b * (1 + nodes(i))) * k(i) + draft_forwards(i) * T_draft(b)   (+ T_deferred at level 0)
 
-with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own
-timings of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with
-the highest tokens / seconds. ``k(i)`` scales the shared line by how level i's own verify steps compared with it
-(a line fitted mostly on narrow level-0 steps can misjudge a step five times as wide), and never below that of a
-smaller level measured by its own steps (so noise alone does not buy verified nodes). ``T_deferred`` is the
-running mean, per level-0 step, of the draft work such a step put off to a later one (EAGLE reads a run of
-level-0 steps' tokens into its draft in one forward when it next drafts: a level-0 step then costs what an AR
-step costs, plus that share). At large batches the target forward stops being nearly free per token and the
-chosen draft shrinks, down to none. The first two steps measure the smallest level and plain decoding (the fit
-needs two token counts); the third tries the largest, and every ``explore_every`` steps at a lower level it is
-tried once more so acceptance keeps being measured — each such trial only if the largest level, with every draft
-token accepted, would beat the level the model would choose (a trial that cannot pay measures nothing worth its
-cost: on SmolLM2-135M at batch 8 a 48-node tree's verification of 392 tokens took as long as 11-14 decode steps,
-and sessions that opened with that trial ran at 0.77-0.95x our AR) — an interval that doubles (up to ``max_explore_every``) each time the step
-after such a trial still prefers a lower level, and is reset when the largest wins, so a draft that does not pay
-(say, one not trained for these prompts) costs few trial steps; acceptance counts are forgotten by steps
-elapsed. A chain step measures the depths it drafted only, so after a chain step in which every row accepted its
-whole chain (and some row's chain was as deep as the level) the next step takes the next level (a probe: the
-next chain length, one token more for EAGLE), unless a probe of that level lost within the last
-``explore_every`` steps as first set (``explore_base``); a probe that lost starts no probe of the level above it.
-Without probes a first trial that happened to accept little (the rows' first drafting steps after their
-prompts) left the deeper depths' estimates low, and a controller settled on a short chain never measured them
-again until the next trial of the largest level. Acceptance is kept per level: a chain's conditional acceptance at depth d is the same for every chain at
-least d long (a shorter chain is a prefix of a longer one), so a chain step updates every level; a tree of
-another node budget holds other candidates at each depth (a 3-node tree accepts less at depth 1 than a 10-node
-one), so a tree step updates its own level only — measuring small trees must not make a larger one look as poor
-as they are. Under tensor parallelism the first rank's choice is broadcast (timings differ
-per rank; every rank must run the same step).
+with ``T_verify`` / ``T_draft`` straight-line fits (fixed cost + cost per token / row) of the session's own timings
+of its verify forwards and drafting, exponentially forgetting old samples, and picks the level with the highest
+tokens / seconds. ``k(i)`` scales the shared line by how level i's own verify steps compared with it (a line fitted
+mostly on narrow level-0 steps can misjudge a step five times as wide), and never below that of a smaller level
+measured by its own steps (so noise alone does not buy verified nodes). ``T_deferred`` is the running mean, per
+level-0 step, of the draft work such a step put off to a later one (EAGLE reads a run of level-0 steps' tokens into
+its draft in one forward when it next drafts: a level-0 step then costs what an AR step costs, plus that share). At
+large batches the target forward stops being nearly free per token and the chosen draft shrinks, down to none. The
+first two steps measure the smallest level and plain decoding (the fit needs two token counts). A trial of the
+largest level — the third step, then once every ``explore_every`` steps at a lower level, so acceptance keeps being
+measured — runs only if that level, with every draft token accepted, would beat the level the model would choose (a
+trial that cannot pay measures nothing worth its cost: on SmolLM2-135M at batch 8 a 48-node tree's verification of
+392 tokens took as long as 11-14 decode steps, and sessions that opened with that trial ran at 0.77-0.95x our AR).
+The interval doubles (up to ``max_explore_every``) each time the step after such a trial still prefers a lower
+level, and is reset when the largest wins, so a draft that does not pay (say, one not trained for these prompts)
+costs few trial steps; acceptance counts are forgotten by steps elapsed. A chain step measures the depths it drafted
+only, so after a chain step in which every row accepted its whole chain (and some row's chain was as deep as the
+level) the next step takes the next level (a probe: the next chain length, one token more for EAGLE), unless a probe
+of that level lost within the last ``explore_every`` steps as first set (``explore_base``); a probe that lost starts
+no probe of the level above it. Without probes a first trial that happened to accept little (the rows' first
+drafting steps after their prompts) left the deeper depths' estimates low, and a controller settled on a short chain
+never measured them again until the next trial of the largest level. Acceptance is kept per level: a chain's
+conditional acceptance at depth d is the same for every chain at least d long (a shorter chain is a prefix of a
+longer one), so a chain step updates every level; a tree of another node budget holds other candidates at each depth
+(a 3-node tree accepts less at depth 1 than a 10-node one), so a tree step updates its own level only — measuring
+small trees must not make a larger one look as poor as they are. Under tensor parallelism the first rank's choice is
+broadcast (timings differ per rank; every rank must run the same step).
 """
 from __future__ import annotations
 
