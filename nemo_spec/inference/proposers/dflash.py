@@ -18,7 +18,8 @@ Under adaptive speculation a step at level 0 drafts nothing, so injecting its po
 catch-up is (``lazy_draft_steps``, :mod:`~.eagle`): each row's base features of such steps wait in a per-slot
 buffer and are injected in one ``write_context`` when a later step drafts (or the buffer is full), so a level-0
 step costs what an AR step costs; the controller is charged the deferred work at level 0. A prompt's injection
-waits the same way for the row's first drafting step, so rows the controller never drafts for never pay it.
+waits the same way for the row's first drafting step, and a row whose prompt still waits when the buffer fills
+adds its buffered positions to it, so rows the controller never drafts for cost the draft nothing.
 
 ``dflash_tree`` (beyond the references, which verify the chain): the block's per-slot distributions expanded into
 a static tree of top-k ranks (:class:`~.common.StaticTree`, option ``tree_choices``, default
@@ -147,22 +148,29 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         self.last_tok[:b] = tensor([em[-1] for em in res.emitted], self.last_tok.device)
 
     def _defer(self, b: int, f: torch.Tensor) -> None:
-        """Keep each decode row's base features [b, F] (before the draft's fc) of a level-0 step; inject the
-        buffer first when it is full."""
+        """Keep each decode row's base features [b, F] (before the draft's fc) of a level-0 step. Once the buffer
+        is full, the rows whose prompt still waits (never drafted for) add their buffered positions to it, to be
+        injected with the prompt when the row first drafts (never, if it never does: such a row costs an AR row;
+        what it holds stays below what a slot-length prompt would), and the other rows' are injected."""
         if self.deferred_f is None:
             self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
         if max(self.deferred_n[:b]) >= self.lazy_steps:
-            self._catch_up(b)
+            for r in range(b):
+                if self.prompt_f[r] and self.deferred_n[r]:
+                    self.prompt_f[r].append((self.deferred_f[r, :self.deferred_n[r]].clone(),))
+                    self.deferred_n[r] = 0
+            self._catch_up(b, prompts=False)
         n = self.deferred_n[:b]
         self.deferred_f[torch.arange(b, device=f.device), tensor(n, f.device)] = f
         for r in range(b):
             self.deferred_n[r] += 1
 
-    def _catch_up(self, b: int) -> None:
+    def _catch_up(self, b: int, prompts: bool = True) -> None:
         """Inject every decode row's deferred positions, in order: its waiting prompt (one write over the slots
-        that have one), then its level-0 steps' (one write; they follow the row's injected context)."""
+        that have one), then its level-0 steps' (one write; they follow the row's injected context). ``prompts``
+        False: the level-0 steps' only (of rows whose prompt does not wait: a full buffer's, see :meth:`_defer`)."""
         t0 = time.perf_counter()
-        waiting = take_waiting(self.prompt_f, b)
+        waiting = take_waiting(self.prompt_f, b) if prompts else None
         if waiting is not None:  # over the slots that have one, at most chunk_tokens positions per write
             lo, hi, prompt, rows = waiting
             for _, cj, (feats,) in column_chunks(rows, prompt, self.chunk_tokens):

@@ -5,7 +5,8 @@ and computes the next step's root. A step at level 0 (adaptive speculation chose
 that catch-up is deferred: the pairs are kept per slot and read in one draft forward when a later step drafts (or
 ``lazy_draft_steps`` level-0 steps have piled up), which is what makes a level-0 step cost what an AR step costs.
 Under adaptive speculation the draft's prefill waits the same way: a prompt's pairs are read with the row's first
-drafting step, so rows that the controller never drafts for (large batches) never pay it.
+drafting step, and a row whose prompt still waits when the buffer fills adds its buffered pairs to it, so rows that
+the controller never drafts for (large batches) cost the draft nothing.
 
 With ``draft_prompt_tokens`` = W the draft reads only the last W of a prompt's pairs (its prefill costs W tokens,
 not the prompt's length): the slot's draft cache starts at the first pair it reads, so positions and cache lengths
@@ -194,32 +195,43 @@ class EagleProposer(PromptWindow, SpecModelProposer):
         st.count_draft(1)
 
     def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
-        """Keep each row's (base feature [b, F] before the draft's fc, token) pair of a level-0 step; catch up once
-        the buffer is full."""
+        """Keep each row's (base feature [b, F] before the draft's fc, token) pair of a level-0 step; once the
+        buffer is full, the rows whose prompt still waits (never drafted for) add their buffered pairs to it, to be
+        read with the prompt when the row first drafts (never, if it never does: such a row costs an AR row; what
+        it holds stays below what a slot-length prompt would), and the other rows catch up."""
         b = st.b
         if self.deferred_f is None:
             self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
         n = [len(self.deferred_tok[r]) for r in range(b)]
-        if max(n) >= self.lazy_steps:  # full: read the pairs deferred so far now
-            self._catch_up(st)
+        if max(n) >= self.lazy_steps:  # full: rows whose prompt waits hold on; the others' pairs are read now
+            for r in range(b):
+                if self.prompt_pairs[r] and n[r]:
+                    self.prompt_pairs[r].append((self.deferred_f[r, :n[r]].clone(),
+                                                 tensor(self.deferred_tok[r], f.device)))
+                    self.deferred_tok[r] = []
+            if any(self.deferred_tok[:b]):
+                self._catch_up(st, prompts=False)
+            for r in range(b):
+                self.deferred_tok[r] = []
             n = [0] * b
         rows = torch.arange(b, device=f.device)
         self.deferred_f[rows, tensor(n, f.device)] = f
         for r in range(b):
             self.deferred_tok[r].append(toks[r])
 
-    def _catch_up(self, st: StepState) -> None:
+    def _catch_up(self, st: StepState, prompts: bool = True) -> None:
         """Draft forwards over every decode row's deferred pairs (its prompt's, then its level-0 steps'); rows that
         had any get their new root. Prompt pairs are read only over the slots that have some (rows that joined
         lately sit together at the end of the decode range), in column chunks of at most ``chunk_tokens`` tokens
-        per forward; then the level-0 steps' pairs of every row in one forward.
+        per forward; then the level-0 steps' pairs of every row in one forward. ``prompts`` False: the level-0
+        steps' pairs only (of rows whose prompt does not wait: a full buffer's, see :meth:`_defer`).
 
         The pairs end where the step's target cache starts (``st.lengths``): the draft cache is that many behind."""
         t0 = time.perf_counter()
         b = st.b
         steps = [len(x) for x in self.deferred_tok[:b]]
         dev = self.device
-        waiting = take_waiting(self.prompt_pairs, b)
+        waiting = take_waiting(self.prompt_pairs, b) if prompts else None
         if waiting is not None:
             lo, hi, prompt, rows = waiting
             for j, cj, (feats, tok) in column_chunks(rows, prompt, self.chunk_tokens):

@@ -22,8 +22,9 @@ the next drafting step's one forward (or by one forward once the buffer is full:
 pairs beyond a verification's depth + 1), so a level-0 step costs what an AR step costs. The deferred pairs ride
 in the drafting forward, whose time the controller charges to the drafting level. The draft's prefill waits the
 same way (as EAGLE's and DFlash's): a prompt's pairs are read before the row's first forward, over the slots that
-have any and in column chunks of ``prefill_chunk_tokens``, so rows the controller never drafts for never pay it;
-that time is reported as draft prefill (:meth:`take_deferred_cost`), not charged to a level.
+have any and in column chunks of ``prefill_chunk_tokens``, and a row whose prompt still waits when the buffer fills
+adds its pending pairs to it, so rows the controller never drafts for cost the draft nothing; that time is reported
+as draft prefill (:meth:`take_deferred_cost`), not charged to a level.
 
 ``peagle_tree`` (beyond the references, which verify the chain): the same single forward's per-depth
 distributions expanded into a static tree of top-k ranks (:class:`~.common.StaticTree`, option
@@ -211,7 +212,10 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self._deferring = k == 0 and self.lazy_steps > 0 and max(n_pend) < self.width - max(self.depth - 1, 0)
         if self._deferring:
             return DraftTree.empty(b, dev)
-        if any(self.prompt_pairs[:b]):
+        if k == 0 and self.lazy_steps > 0:  # full: rows whose prompt waits hold on, the others' pairs are read
+            self._hold_pending(b)
+            n_pend = self.pend_n[:b]
+        elif any(self.prompt_pairs[:b]):
             self._read_prompts(st)
         masks = max(k - 1, 0)
         lens = [p + masks for p in n_pend]
@@ -254,6 +258,17 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
             qs.append(None if q is None else self._to_base(q))
         tokens = torch.stack(drafts, 1)
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=stack_q(qs))
+
+    def _hold_pending(self, b: int) -> None:
+        """The decode rows whose prompt pairs still wait (never drafted for) add their pending pairs to them, to be
+        read with the prompt when the row first drafts (never, if it never does: such a row costs an AR row; what
+        it holds stays below what a slot-length prompt would); their block slots go back to mask slots."""
+        for r in range(b):
+            n = self.pend_n[r]
+            if self.prompt_pairs[r] and n:
+                self.prompt_pairs[r].append((self.blk_feat[r, :n].clone(), self.blk_tok[r, :n].clone()))
+                self._reset_blocks(slice(r, r + 1), n)
+                self.pend_n[r] = 0
 
     def _read_prompts(self, st: StepState) -> None:
         """Read the decode rows' waiting prompt pairs into the draft cache (they precede the rows' pending pairs):
