@@ -56,8 +56,6 @@ struct Table {
 };
 static const columns_fn* const kColumns = Table<1, 2, 3, 4, 5, 6>::fns;
 
-extern "C" int nemo_spec_skinny_max_rows_per_pass() { return MAXR; }
-
 extern "C" void nemo_spec_skinny_linear(const float* x, const float* w, float* y, long M, long K, long N,
                                         int threads) {
   const long groups = (M + MAXR - 1) / MAXR;
