@@ -84,6 +84,13 @@ def user_error_types() -> Tuple[Type[BaseException], ...]:
             ModelLoadError, OfflineDataError, FileNotFoundError, FileExistsError)
 
 
+def print_user_error(e: BaseException) -> None:
+    """The one-line report of a user error on stderr (with the --debug hint); for entry points that return their
+    exit code instead of raising (callers re-raise first when :func:`debug_requested`)."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    print("(run with --debug for the full traceback)", file=sys.stderr, flush=True)
+
+
 def report_user_errors(fn: F) -> F:
     """Decorate an entry point: a user error prints ``error: <message>`` on stderr and exits 2."""
 
@@ -94,8 +101,7 @@ def report_user_errors(fn: F) -> F:
         except Exception as e:
             if debug_requested() or not isinstance(e, user_error_types()):
                 raise
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            print("(run with --debug for the full traceback)", file=sys.stderr, flush=True)
+            print_user_error(e)
             raise SystemExit(2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -89,6 +89,10 @@ def test_missing_checkpoint_is_a_one_line_error(args, needle, tmp_path):
     proc = _run(args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr[-3000:]
+    assert "(run with --debug for the full traceback)" in proc.stderr, proc.stderr[-3000:]
+    if args[0] in ("scripts/gpt_speculate.py", "scripts/export.py"):  # they return 2 themselves: --debug too
+        dbg = _run([*args, "--debug"])
+        assert dbg.returncode != 0 and "Traceback" in dbg.stderr and needle in dbg.stderr, dbg.stderr[-3000:]
 
 
 def test_undecodable_lines_are_malformed_records(tmp_path):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from typing import Optional, Sequence
 
 from nemo_spec.export import FORMATS, export_checkpoint
 from nemo_spec.export.engines import TARGETS
 from nemo_spec.export.formats import DTYPES, ExportError
+from nemo_spec.entry import debug_requested, print_user_error
 
 log = logging.getLogger("nemo_spec.export")
 
@@ -64,7 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if parallel.is_rank_zero():
             log.info("export written to %s (see %s)", out, out / "README.md")
     except (ExportError, CheckpointError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if debug_requested():
+            raise
+        print_user_error(e)
         return 2
     finally:
         if owns:
@@ -103,7 +105,9 @@ def verify_main(argv: Optional[Sequence[str]] = None) -> int:
         rows = verify_export(args.export_dir, checkpoint=args.checkpoint, num_inputs=args.num_inputs,
                              seq_len=args.seq_len, atol=args.atol, engines=engines)
     except (ExportError, CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if debug_requested():
+            raise
+        print_user_error(e)
         return 2
     finally:
         if owns:

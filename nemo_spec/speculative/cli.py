@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
 from nemo_spec.config import ALGORITHMS, ConfigError, ModelConfig
+from nemo_spec.entry import debug_requested, print_user_error
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   target_layer_ids=_parse_aux(args.target_layer_ids, "--target_layer_ids"),
                   mask_token_id=args.mask_token_id)
     except (ConfigError, CheckpointError, FileExistsError) as e:  # one line, as every script's user errors
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if debug_requested():
+            raise
+        print_user_error(e)
         return 2
     finally:
         if owns_parallel_state:
