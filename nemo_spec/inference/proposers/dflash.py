@@ -151,7 +151,7 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
         """Keep each decode row's base features [b, F] (before the draft's fc) of a level-0 step. Once the buffer
         is full, the rows whose prompt still waits (never drafted for) add their buffered positions to it, to be
         injected with the prompt when the row first drafts (never, if it never does: such a row costs an AR row;
-        what it holds stays below what a slot-length prompt would), and the other rows' are injected."""
+        it holds at most the features of every position of its slot), and the other rows' are injected."""
         if self.deferred_f is None:
             self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
         if max(self.deferred_n[:b]) >= self.lazy_steps:
