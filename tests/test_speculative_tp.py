@@ -110,7 +110,9 @@ def test_gpt_speculate_end_to_end(tmp_path, capsys):
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--num_eagle_layers", "1",
                  "--num_medusa_heads", "2"]) == 2
     err = capsys.readouterr().err
-    assert "both EAGLE" in err and err.startswith("error: ") and err.count("\n") == 1
+    lines = err.splitlines()  # the error in one line, then the --debug hint every script prints
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "both EAGLE" in lines[0], err
+    assert lines[1] == "(run with --debug for the full traceback)"
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--algorithm", "eagle3",
                  "--draft_vocab_size", "500"]) == 2
     assert "error: draft_vocab_size=500" in capsys.readouterr().err and not (tmp_path / "x").exists()
