@@ -603,3 +603,42 @@ def test_abort_after_the_drain_ends_running_and_not_yet_started_slices():
     finally:
         gate.set()
         lp.close()
+
+
+@pytest.mark.parametrize("method,transform,kw", [
+    ("eagle", "eagle1", {"num_eagle_layers": 1}),
+    ("peagle", "peagle", {"num_eagle_layers": 1, "parallel_depth": 3}),
+])
+def test_a_client_leaving_mid_batch_does_not_stop_the_worker(tok, method, transform, kw):
+    """A speculative server with two running rows: the client of the first (slot 0) disconnects, so its row is
+    cancelled and the other moves into its slot with the proposer's per-slot state (draft cache rows, roots,
+    pending pairs). The other row runs to its end with the tokens of greedy decoding, the worker stays up and the
+    server answers the next request."""
+    from nemo_spec.speculative import SpeculativeTransform
+
+    base = tiny_model(tok, max_position_embeddings=4096)
+    served = SpeculativeTransform(algorithm=transform, **kw)(clone_model(base)).eval()
+    long_body = {"model": "spec", "prompt": "the cat", "max_tokens": 3000, "temperature": 0, "stream": True,
+                 "ignore_eos": True}
+    other = {"model": "spec", "prompt": "we read code", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with live_server(served, tok, name="spec", method=method, options={"num_draft_tokens": 3}, max_batch=2,
+                     batch_wait_ms=0) as srv:
+        batcher = srv.manager.get("spec").batcher
+        step = batcher.session.step
+        batcher.session.step = lambda: (time.sleep(0.02), step())[1]  # the long row outlives the other's join
+        with httpx.Client(timeout=120) as h:
+            with h.stream("POST", srv.url + "/v1/completions", json=long_body) as running:
+                lines = running.iter_lines()  # kept: a dropped line iterator closes the stream
+                next(l for l in lines if l.startswith("data: "))
+                pending = ThreadPoolExecutor(1).submit(_post, srv, "/v1/completions", other, 120)
+                _wait(lambda: batcher.running_rows == 2)
+            # the stream is closed: its row (slot 0) is cancelled while the other one runs
+            r = pending.result(timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 40
+        ids = tok(other["prompt"], add_special_tokens=False).input_ids
+        ref = generate(base, [ids], SamplingParams(max_new_tokens=40), options={"ignore_eos": True})[0].tokens
+        assert r.json()["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+        assert batcher.alive and srv.app.state.metrics.cancelled.total() >= 1
+        nxt = _post(srv, "/v1/completions", {**other, "max_tokens": 4}, 60)
+        assert nxt.status_code == 200 and nxt.json()["usage"]["completion_tokens"] == 4

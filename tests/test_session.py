@@ -120,6 +120,30 @@ def test_cancel_and_fixed_slots(model):
     assert sess.kv.k is k and not sess.busy
 
 
+@pytest.mark.parametrize("method,algo", [("ar", None), ("prompt_lookup", None), ("suffix", None),
+                                         ("draft_model", None), ("eagle", "eagle3"), ("eagle_tree", "eagle3"),
+                                         ("medusa", "medusa"), ("peagle", "peagle"), ("dflash", "dflash")])
+def test_cancel_between_steps_moves_a_running_row_into_the_hole(model, method, algo):
+    """cancel() outside a step, of a running row that another running row moves in behind: the proposer's
+    per-slot buffers (made in a step's inference mode) are swapped at once. That swap ran outside inference mode
+    and raised ("Inplace update to inference tensor outside InferenceMode") for EAGLE (chain and tree), Medusa
+    and P-EAGLE; now every method goes on, the moved row with our AR's tokens."""
+    from tests.speculative_utils import make_spec
+
+    target = make_spec(tiny_llama(num_layers=4 if algo == "dflash" else 2), algo).eval() if algo else model
+    sess = Session(target, method, draft_model=model if method == "draft_model" else None, max_batch=2,
+                   options={"ignore_eos": True})
+    prompts = {sess.add(p, SamplingParams(max_new_tokens=30)): p for p in ([1, 2, 3], [4, 5])}
+    sess.step()  # both rows prefilled and decoding
+    assert sess.n_dec == 2
+    a, b = sess.slot_rows[0].handle, sess.slot_rows[1].handle
+    sess.cancel(a)  # b moves into slot 0
+    assert sess.rows[b].slot == 0 and sess.n_dec == 1
+    sess.run()
+    ref = generate(target, [prompts[b]], SamplingParams(max_new_tokens=30), options={"ignore_eos": True})[0]
+    assert sess.result(a).finish_reason == "cancelled" and sess.result(b).tokens == ref.tokens
+
+
 @pytest.mark.parametrize("method", ["prompt_lookup", "draft_model"])
 def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method):
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3], [1, 2], [4, 4, 4]] * 2

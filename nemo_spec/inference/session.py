@@ -212,8 +212,9 @@ class Session:
             return
         row.finish = "cancelled"
         row.t_end = time.perf_counter()
-        if not self._in_step:
-            self._drop_finished()
+        if not self._in_step:  # the slot buffers moved here were made in a step's inference mode
+            with torch.inference_mode():
+                self._drop_finished()
 
     def step(self) -> bool:
         """One iteration: admit, one prefill chunk, one decode step, stream; returns whether rows remain."""
