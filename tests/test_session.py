@@ -700,14 +700,17 @@ def test_level0_steps_defer_the_peagle_catch_up_without_changing_any_draft(metho
     assert lazy_p.draft_forwards(0) == 0 and eager_p.draft_forwards(0) == 1 and lazy_p.draft_forwards(2) == 1
 
 
-@pytest.mark.parametrize("method,chunk", [("eagle", None), ("eagle_tree", None), ("eagle", 2), ("peagle", None),
-                                          ("peagle", 2), ("dflash", None), ("dflash", 2)])
-def test_rows_never_drafted_for_cost_the_draft_nothing(method, chunk):
+@pytest.mark.parametrize("method,chunk,window", [("eagle", None, None), ("eagle_tree", None, None), ("eagle", 2, None),
+                                                 ("eagle", None, 1), ("peagle", None, None), ("peagle", 2, None),
+                                                 ("peagle", None, 1), ("dflash", None, None), ("dflash", 2, None)])
+def test_rows_never_drafted_for_cost_the_draft_nothing(method, chunk, window):
     """A row the controller never drafts for costs an AR row: once lazy_draft_steps level-0 steps have piled up, a
     row whose prompt still waits adds them to it instead of making the draft read the prompt and the steps (which
     cost 0.16-0.20 s at batch 8 on SmolLM2). 20 level-0 steps (lazy_draft_steps 3, rows joining and leaving): the
     draft runs nothing until the first drafting step, which reads the held pairs; every proposal and token the same
-    as catching up after every step, greedy rows AR's (checked by _deferred_vs_stepwise)."""
+    as catching up after every step, greedy rows AR's (checked by _deferred_vs_stepwise). ``window`` 1
+    (``draft_prompt_tokens``): a P-EAGLE row then has no waiting prompt pairs (its one pair is pending) and was
+    caught up by the first full buffer until the rows the draft has read nothing of were tracked as such."""
     import nemo_spec.speculative.dflash as D
     from tests.speculative_utils import make_spec
 
@@ -735,7 +738,9 @@ def test_rows_never_drafted_for_cost_the_draft_nothing(method, chunk):
 
     with pytest.MonkeyPatch.context() as mp:
         opts = {"num_draft_tokens": 3, "depth": 3, "top_k": 2, "total_tokens": 5} if method.startswith("eagle") \
-            else None
+            else {}
+        if window:
+            opts["draft_prompt_tokens"] = window
         (eager, _), (lazy, _) = _deferred_vs_stepwise(spec, method, "joins", opts, chunk=chunk, hook=spy)
     eager_calls, lazy_calls = runs
     assert min(eager_calls) <= 20  # catching up every step: the draft ran during the level-0 run

@@ -85,6 +85,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.mask_feat: Optional[torch.Tensor] = None
         self.pend_n: List[int] = []
         self.prompt_pairs: List[List[Tuple[torch.Tensor, torch.Tensor]]] = []  # per slot: (features, tokens) waiting
+        self.unread: List[bool] = []  # per slot: the draft has read none of the row's pairs yet
         self.chunk_tokens = 1 << 30
         self._prefill_s = 0.0  # prompt pairs read by this step's forward (draft prefill, not the level's cost)
         self.init_window(options)  # the draft reads at most this many prompt pairs (0: all)
@@ -109,6 +110,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.blk_feat = self.blk_tok = self.mask_feat = None
         self.pend_n = [0] * sess.slots
         self.prompt_pairs = [[] for _ in range(sess.slots)]
+        self.unread = [False] * sess.slots
         self.chunk_tokens = int(getattr(sess, "prefill_chunk_tokens", 1 << 30))  # pairs one prompt read takes
         self._prefill_s = 0.0
         self.window_setup(sess.slots)
@@ -132,6 +134,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         self.window_admit(slot, row.prompt)
         self.pend_n[slot] = 0
         self.prompt_pairs[slot] = []
+        self.unread[slot] = True
         if self.blk_feat is not None:  # a previous occupant may have left pending pairs in the block
             self._reset_blocks(slice(slot, slot + 1), self.width)
 
@@ -139,6 +142,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         """The slot's pending pairs (and waiting prompt pairs) are dropped with its row."""
         self.pend_n[slot] = 0
         self.prompt_pairs[slot] = []
+        self.unread[slot] = False
 
     def swap(self, i: int, j: int, used: int) -> None:
         """Exchange the two slots' draft cache rows and pending pairs."""
@@ -147,6 +151,7 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         swap_rows(self.blk_tok, i, j)
         self.pend_n[i], self.pend_n[j] = self.pend_n[j], self.pend_n[i]
         self.prompt_pairs[i], self.prompt_pairs[j] = self.prompt_pairs[j], self.prompt_pairs[i]
+        self.unread[i], self.unread[j] = self.unread[j], self.unread[i]
         self.window_swap(i, j)
 
     # ---- prefill / accepted: pairs the draft owes ------------------------------------------------------------
@@ -172,6 +177,9 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
                               unpadded=self.unpadded)
             self.spec.draft_step(tok, feats, ctx, head=False)
             view.lengths += tensor(run, dev)
+            for i, c in enumerate(run):
+                if c > 0:
+                    self.unread[ch.lo + i] = False
         for i, fin in enumerate(final_h):
             if fin:
                 s = ch.lo + i
@@ -234,6 +242,9 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
                           max_length=max(n - p for n, p in zip(st.lengths, n_pend)))  # draft committed
         hid, _ = self.spec.draft_step(tok, feat, ctx, head=False)
         view.lengths += npend
+        for r, n in enumerate(n_pend):
+            if n:
+                self.unread[r] = False
         self._reset_blocks(slice(0, b), width)
         self.pend_n[:b] = [0] * b
         st.count_draft(1)
@@ -260,12 +271,14 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
         return DraftTree.chains(tokens, torch.ones_like(tokens, dtype=torch.bool), q=stack_q(qs))
 
     def _hold_pending(self, b: int) -> None:
-        """The decode rows whose prompt pairs still wait (never drafted for) add their pending pairs to them, to be
-        read with the prompt when the row first drafts (never, if it never does: such a row costs an AR row; what
-        it holds stays below what a slot-length prompt would); their block slots go back to mask slots."""
+        """The decode rows the draft has read nothing of (never drafted for) add their pending pairs to their
+        waiting prompt pairs (there are none for a 1-token prompt or a 1-pair window: the prompt's last pair is
+        pending), to be read with the prompt when the row first drafts (never, if it never does: such a row costs
+        an AR row; it holds at most one pair per position of its slot); their block slots go back to mask
+        slots."""
         for r in range(b):
             n = self.pend_n[r]
-            if self.prompt_pairs[r] and n:
+            if self.unread[r] and n:
                 self.prompt_pairs[r].append((self.blk_feat[r, :n].clone(), self.blk_tok[r, :n].clone()))
                 self._reset_blocks(slice(r, r + 1), n)
                 self.pend_n[r] = 0
