@@ -176,7 +176,9 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
             for _, cj, (feats,) in column_chunks(rows, prompt, self.chunk_tokens):
                 self.spec.eagle_module.write_context(self.cache.view(lo, hi), self.spec.fuse(feats),
                                                      tensor(cj, feats.device))
-        pre = time.perf_counter() - t0  # the prompts: draft prefill, not level-0 work
+        # the prompts, with the level-0 positions a full buffer added to a waiting prompt (see _defer): draft
+        # prefill, not level-0 work (injecting them is the price of a row's first drafting step)
+        pre = time.perf_counter() - t0
         n = self.deferred_n[:b]
         K = max(n)
         if K:

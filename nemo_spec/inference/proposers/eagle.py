@@ -240,7 +240,9 @@ class EagleProposer(PromptWindow, SpecModelProposer):
                 before = max(ln - s - c + min(j, c) for ln, s, c in zip(st.lengths[lo:hi], steps[lo:hi], prompt))
                 self._read_block(st, tok, val, self.spec.fuse(feats), n_dev, before,
                                  mask=tensor([c > 0 for c in cj], dev, torch.bool), padded=True, lo=lo)
-        pre = time.perf_counter() - t0  # the prompts' pairs: draft prefill, not level-0 work
+        # the prompts' pairs, with the level-0 pairs a full buffer added to a waiting prompt (see _defer): draft
+        # prefill, not level-0 work (reading them is the price of a row's first drafting step)
+        pre = time.perf_counter() - t0
         if any(steps):  # the level-0 steps' pairs: one forward over the step buffer
             K = max(steps)
             self._read_pairs(st, self.deferred_tok[:b], self.spec.fuse(self.deferred_f[:b, :K]), tensor(steps, dev),
