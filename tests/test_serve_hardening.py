@@ -232,8 +232,9 @@ def test_admin_unload_frees_model_and_kv_cache(tok, tmp_path):
             r = _post(srv, "/v1/completions", {"model": "a", "prompt": "the cat", "max_tokens": 4, "stream": stream})
             assert r.status_code == 200
         m = manager.get("a").model
-        refs = [weakref.ref(m), weakref.ref(get_engine(m).caches["target"].k)]
-        del m
+        kv = manager.get("a").batcher.session.kv  # the serving session's own KV cache
+        refs = [weakref.ref(m), weakref.ref(kv.k)]
+        del m, kv
         r = _post(srv, "/admin/models/unload", {"name": "a"}, headers={"Authorization": "Bearer sk-admin"})
         assert r.status_code == 200
         gc.collect()

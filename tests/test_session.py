@@ -144,6 +144,133 @@ def test_cancel_between_steps_moves_a_running_row_into_the_hole(model, method, a
     assert sess.result(a).finish_reason == "cancelled" and sess.result(b).tokens == ref.tokens
 
 
+def _spec_or(model, algo):
+    from tests.speculative_utils import make_spec
+
+    return make_spec(tiny_llama(), algo).eval() if algo else model
+
+
+@pytest.mark.parametrize("method,algo", [("ar", None), ("eagle", "eagle3")])
+def test_a_row_cancelled_by_another_rows_callback_gets_nothing_more(model, method, algo):
+    """The row in slot 0 cancels the row in slot 1 from its on_tokens, inside a decode step: the cancelled row got
+    that step's tokens too (it was emitted after the callback) and, reaching its budget, was reported "length" with
+    on_finish called. Now it ends at once: no more tokens streamed or kept, reason "cancelled", no on_finish; the
+    other row's tokens are our AR's."""
+    target = _spec_or(model, algo)
+    sess = Session(target, method, max_batch=2, options={"ignore_eos": True})
+    streamed, finished, victim = {}, {}, []
+
+    def on_tokens(h, toks):
+        streamed.setdefault(h, []).extend(toks)
+        if not victim and sess.n_dec == 2 and sess.slot_rows[0].handle == h:
+            v = sess.slot_rows[1].handle
+            victim.append((v, len(streamed.get(v, []))))
+            sess.cancel(v)
+
+    # whichever row sits in slot 1 is cancelled: with 2 tokens left it would reach its budget that step
+    rows = {sess.add(p, SamplingParams(max_new_tokens=n), on_tokens, lambda h, r: finished.setdefault(h, r)): (p, n)
+            for p, n in (([1, 2, 3], 3), ([4, 5], 3))}
+    sess.run()
+    v, had = victim[0]
+    res = sess.result(v)
+    assert res.finish_reason == "cancelled" and v not in finished
+    assert len(streamed[v]) == had < 3 and res.tokens == streamed[v]
+    (keep,) = [h for h in rows if h != v]
+    p, n = rows[keep]
+    ref = generate(target, [p], SamplingParams(max_new_tokens=n), options={"ignore_eos": True})[0]
+    assert sess.result(keep).tokens == ref.tokens and finished[keep] == "length"
+
+
+def test_a_row_cancelled_before_its_first_token_gets_none(model):
+    """Two rows finish their prompts in the same step; the first one's on_tokens cancels the other before its
+    first token is emitted: it gets none."""
+    sess = Session(model, "ar", max_batch=2, options={"ignore_eos": True})
+    streamed, hs = {}, []
+
+    def on_tokens(h, toks):
+        streamed.setdefault(h, []).extend(toks)
+        if len(streamed) == 1:
+            sess.cancel(hs[1] if h == hs[0] else hs[0])
+
+    hs += [sess.add(p, SamplingParams(max_new_tokens=6), on_tokens) for p in ([1, 2, 3], [4, 5, 6])]
+    sess.run()
+    assert len(streamed) == 1 and sorted(sess.result(h).finish_reason for h in hs) == ["cancelled", "length"]
+
+
+@pytest.mark.parametrize("first", [1, 3])  # reset on the first token (the prefill step's) or in a decode step
+def test_reset_from_a_callback_ends_every_row_and_the_session_goes_on(model, first):
+    """reset() from an on_tokens callback: in the step that emits the rows' first tokens it left the rest of
+    that step working on emptied slots (AttributeError on a None row). Now every row ends at once (nothing more
+    streamed), the caches are reset when the step returns, and the session serves the next row as AR does."""
+    sess = Session(model, "ar", max_batch=2, options={"ignore_eos": True})
+    streamed, resets = {}, []
+
+    def on_tokens(h, toks):
+        streamed.setdefault(h, []).extend(toks)
+        if len(streamed[h]) >= first and not resets:
+            resets.append(h)
+            sess.reset()
+
+    for p in ([1, 2, 3], [4, 5, 6, 7]):
+        sess.add(p, SamplingParams(max_new_tokens=10), on_tokens)
+    sess.run()
+    assert not sess.busy and sum(map(len, streamed.values())) <= first + 2
+    h = sess.add([1, 2, 3], SamplingParams(max_new_tokens=10))
+    sess.run()
+    ref = generate(model, [[1, 2, 3]], SamplingParams(max_new_tokens=10), options={"ignore_eos": True})[0]
+    assert sess.result(h).tokens == ref.tokens
+
+
+@pytest.mark.parametrize("method,algo", [("ar", None), ("eagle", "eagle3"), ("draft_model", None)])
+def test_sessions_on_one_model_keep_their_own_caches(model, method, algo):
+    """Two sessions on one model stepped in turn, and a generate() call in the middle of a session: they shared
+    the model's KV caches (the second reset the first's), and the rows' tokens went wrong. A session now owns its
+    caches (generate()'s sessions, one after the other, still share the model's): every row == our AR."""
+    target = _spec_or(model, algo)
+    draft = model if method == "draft_model" else None
+    opts = {"ignore_eos": True, "num_draft_tokens": 2}
+    a = Session(target, method, draft, opts, max_batch=2, max_seq_len=64)
+    b = Session(target, method, draft, opts, max_batch=2, max_seq_len=64)
+    assert a.kv is not b.kv
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9, 3, 9]]
+    ha = a.add(prompts[0], SamplingParams(max_new_tokens=30))
+    hb = b.add(prompts[1], SamplingParams(max_new_tokens=30))
+    for i in range(4):
+        a.step()
+        b.step()
+    mid = generate(target, [prompts[2], prompts[1]], SamplingParams(max_new_tokens=5), method=method,
+                   draft_model=draft, options=opts)  # a 2-row session of the shared caches, same shapes
+    a.run()
+    b.run()
+    ref = generate(target, prompts, SamplingParams(max_new_tokens=30), options={"ignore_eos": True})
+    assert a.result(ha).tokens == ref[0].tokens and b.result(hb).tokens == ref[1].tokens
+    assert mid[0].tokens == ref[2].tokens[:5]
+
+
+def test_session_api_misuse_gets_errors_that_name_the_problem(model):
+    """Unknown handles, a max_seq_len below 1 and a row longer than max_seq_len get errors naming the problem (a
+    bare KeyError(99); a session with slots of -2 positions; "needs 32 slots ... KV slot length=21" for a
+    29-token prompt at max_seq_len=20); free_slots() never goes below 0 (a `while free_slots():` loop ran on)."""
+    from nemo_spec.inference.sampling import SamplingError
+
+    for bad in (0, -3):
+        with pytest.raises(SamplingError, match="max_seq_len"):
+            Session(model, "ar", max_seq_len=bad)
+    sess = Session(model, "ar", max_batch=1, max_seq_len=20, options={"ignore_eos": True})
+    with pytest.raises(SamplingError, match=r"29 prompt tokens \+ max_new_tokens=2 = 31 tokens .*max_seq_len=20"):
+        sess.add(list(range(1, 30)), SamplingParams(max_new_tokens=2))
+    hs = [sess.add([1, 2], SamplingParams(max_new_tokens=2)) for _ in range(3)]
+    assert sess.free_slots() == 0
+    with pytest.raises(KeyError, match="unknown row handle 99"):
+        sess.done(99)
+    with pytest.raises(KeyError, match="unknown row handle 99"):
+        sess.result(99)
+    sess.run()
+    sess.result(hs[0])
+    with pytest.raises(KeyError, match="already taken"):
+        sess.result(hs[0])
+
+
 @pytest.mark.parametrize("method", ["prompt_lookup", "draft_model"])
 def test_adaptive_speculation_is_lossless_and_reports_its_choices(model, method):
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3], [1, 2], [4, 4, 4]] * 2

@@ -159,6 +159,26 @@ class StepState:
 BatchState = StepState
 
 
+def pooled_cache(pool: Dict[Any, KVCache], key: Any, batch_size: int, max_len: int,
+                 factory: Callable[[int, int], KVCache]) -> KVCache:
+    """A reset cache for (key, batch, >= max_len) from ``pool``; a new one (replacing it in the pool) when batch
+    size, length, layout, dtype or device change."""
+    c = pool.get(key)
+    if c is not None and c.batch_size == batch_size and c.max_len >= max_len:
+        probe = factory(1, 1)  # what the model needs now (layers, heads, head dim, dtype, device)
+        if (c.k.shape[0] == probe.k.shape[0] and c.k.shape[3:] == probe.k.shape[3:]
+                and c.k.dtype == probe.k.dtype and c.k.device == probe.k.device):
+            c.reset()
+            return c
+    if c is not None:
+        log.debug("re-creating KV cache %s: batch %d->%d, length %d->%d", key, c.batch_size, batch_size,
+                  c.max_len, max_len)
+    pool.pop(key, None)
+    c = factory(batch_size, max_len)
+    pool[key] = c
+    return c
+
+
 class Engine:
     """Runs the target model and owns the KV caches reused across calls (reset on reuse, re-created on shape change).
 
@@ -202,21 +222,9 @@ class Engine:
         return next(self.target.parameters()).device
 
     def cache(self, key: Any, batch_size: int, max_len: int, factory: Callable[[int, int], KVCache]) -> KVCache:
-        """A reset cache for (key, batch, >= max_len); a new one when batch size, length, layout, dtype or device change."""
-        c = self.caches.get(key)
-        if c is not None and c.batch_size == batch_size and c.max_len >= max_len:
-            probe = factory(1, 1)  # what the model needs now (layers, heads, head dim, dtype, device)
-            if (c.k.shape[0] == probe.k.shape[0] and c.k.shape[3:] == probe.k.shape[3:]
-                    and c.k.dtype == probe.k.dtype and c.k.device == probe.k.device):
-                c.reset()
-                return c
-        if c is not None:
-            log.debug("re-creating KV cache %s: batch %d->%d, length %d->%d", key, c.batch_size, batch_size,
-                      c.max_len, max_len)
-        self.caches.pop(key, None)
-        c = factory(batch_size, max_len)
-        self.caches[key] = c
-        return c
+        """The engine's shared cache for ``key`` (see :func:`pooled_cache`): generate() calls on one model reuse
+        it, one call after the other."""
+        return pooled_cache(self.caches, key, batch_size, max_len, factory)
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -237,11 +245,14 @@ class Engine:
                                 f"exceeds the model context max_position_embeddings={ctx}")
         if sp.stop_strings and tokenizer is None:
             raise SamplingError(f"request {r} has stop_strings {sp.stop_strings!r} but no tokenizer was given")
-        need = len(prompt) + sp.max_new_tokens + lookahead + 1
-        for limit, name in ((max_cache_len, "max_cache_len"), (slot_len, "the session's KV slot length")):
-            if limit is not None and need > limit:
-                raise SamplingError(f"max_new_tokens={sp.max_new_tokens} does not fit the KV cache: needs {need} "
-                                    f"slots (prompt + new tokens + {lookahead} draft slots), {name}={limit}")
+        tokens = len(prompt) + sp.max_new_tokens
+        extra = lookahead + 1  # a step writes its drafts (and the bonus token) past the row's tokens
+        what = f"prompt {r}: {len(prompt)} prompt tokens + max_new_tokens={sp.max_new_tokens} = {tokens} tokens"
+        if max_cache_len is not None and tokens + extra > max_cache_len:
+            raise SamplingError(f"{what} do not fit the KV cache (max_cache_len={max_cache_len} holds "
+                                f"{max_cache_len - extra} beside the {extra} slots a step's drafts use)")
+        if slot_len is not None and tokens + extra > slot_len:  # slot_len = max_seq_len + extra (Session)
+            raise SamplingError(f"{what} do not fit the session's KV cache (max_seq_len={slot_len - extra})")
 
     # -- forward passes ----------------------------------------------------------------------------
 

@@ -31,8 +31,8 @@ import torch
 from nemo_spec.models import compiled, fastpath, new_kv_cache
 from nemo_spec.models.gpt import gather_vocab, gpt_forward, output_logits
 from nemo_spec.inference.adaptive import AdaptiveSpeculation
-from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, tau_of,
-                                        peak_memory_bytes)
+from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, pooled_cache,
+                                        tau_of, peak_memory_bytes)
 from nemo_spec.inference.sampling import SamplingError, SamplingParams, row_generators
 from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
 from nemo_spec.inference.proposers.common import chain_block, last_valid
@@ -104,7 +104,7 @@ class Session:
     def __init__(self, model: torch.nn.Module, method: str = "ar", draft_model: Optional[torch.nn.Module] = None,
                  options: Optional[Dict[str, Any]] = None, tokenizer: Any = None, max_batch: Optional[int] = None,
                  max_seq_len: Optional[int] = None, prefill_chunk_tokens: Optional[int] = None,
-                 adaptive: Optional[bool] = None) -> None:
+                 adaptive: Optional[bool] = None, shared_caches: bool = False) -> None:
         from nemo_spec.inference.generate import get_engine
 
         if method not in METHODS:
@@ -116,7 +116,9 @@ class Session:
         pad_tokens = options.get("prefill_pad_tokens", DEFAULT_PREFILL_PAD_TOKENS)
         adaptive = bool(options.get("adaptive", False)) if adaptive is None else adaptive
         for key, v, least in (("max_batch", max_batch, 1), ("prefill_chunk_tokens", chunk, 1),
-                              ("prefill_pad_tokens", pad_tokens, 0)):
+                              ("prefill_pad_tokens", pad_tokens, 0), ("max_seq_len", max_seq_len, 1)):
+            if v is None:  # max_seq_len: the model context
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise SamplingError(f"option {key!r} must be an int >= {least}, got {v!r}")
         if not isinstance(options.get("adaptive", False), bool):
@@ -127,6 +129,10 @@ class Session:
             raise SamplingError(str(err)) from None
         self.model = model
         self.engine = get_engine(model)
+        # KV caches: a session of its own has its own (sessions on one model, and generate() calls while one
+        # runs, never write into each other's); generate()'s sessions, which run one after the other, share the
+        # engine's
+        self._caches: Optional[Dict[Any, Any]] = None if shared_caches else {}
         for m in (model, draft_model):  # (again: the model may have moved since its engine was made; else a no-op)
             if m is not None:
                 fastpath.register(m)
@@ -153,8 +159,7 @@ class Session:
                 m.eval()
                 compiled.compile_layers(m, compile_mode)  # the option governs: off makes the layers eager again
         self.compile_mode = compile_mode
-        self.kv = self.engine.cache("target", self.slots, self.slot_len,
-                                    lambda bb, ll: new_kv_cache(self.model, bb, ll))
+        self.kv = self.cache("target", self.slots, self.slot_len, lambda bb, ll: new_kv_cache(self.model, bb, ll))
         self.proposer.setup(self)
         self.pending = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self.slot_rows: List[Optional[_Row]] = [None] * self.slots
@@ -164,6 +169,7 @@ class Session:
         self.rows: Dict[int, _Row] = {}
         self._next_handle = 0
         self._in_step = False
+        self._reset_pending = False  # reset() was called inside a step (from a callback): done when it returns
         self.steps = 0
         self.adaptive: Optional[AdaptiveSpeculation] = None
         if adaptive:  # one cost model per model and method configuration, kept across sessions
@@ -183,6 +189,13 @@ class Session:
     def device(self) -> torch.device:
         """The target model's device."""
         return self.engine.device
+
+    def cache(self, key: Any, batch_size: int, max_len: int, factory: Any) -> Any:
+        """A reset KV cache for ``key`` (the target's, a proposer's draft cache): this session's own, or the
+        engine's shared one (``shared_caches``)."""
+        if self._caches is None:
+            return self.engine.cache(key, batch_size, max_len, factory)
+        return pooled_cache(self._caches, key, batch_size, max_len, factory)
 
     def add(self, prompt: Sequence[int], params: Optional[SamplingParams] = None,
             on_tokens: Optional[OnTokens] = None, on_finish: Optional[OnFinish] = None) -> int:
@@ -232,6 +245,8 @@ class Session:
                 self.steps += 1
         finally:
             self._in_step = False
+            if self._reset_pending:
+                self.reset()
         return self.busy
 
     def run(self) -> None:
@@ -250,15 +265,22 @@ class Session:
 
     def free_slots(self) -> int:
         """Slots a new row could take at the next step (queued rows count as taken)."""
-        return sum(r is None for r in self.slot_rows) - len(self.waiting)
+        return max(0, sum(r is None for r in self.slot_rows) - len(self.waiting))
+
+    def _row(self, handle: int) -> _Row:
+        row = self.rows.get(handle)
+        if row is None:
+            raise KeyError(f"unknown row handle {handle!r}: never added to this session, or its result was already "
+                           f"taken (result(forget=True)) or dropped by reset()")
+        return row
 
     def done(self, handle: int) -> bool:
         """Whether the row has finished."""
-        return self.rows[handle].finish is not None
+        return self._row(handle).finish is not None
 
     def result(self, handle: int, forget: bool = True) -> GenerationResult:
         """The finished row's tokens, finish reason, text and stats (``forget`` drops the session's record)."""
-        row = self.rows[handle]
+        row = self._row(handle)
         if row.finish is None:
             raise RuntimeError(f"row {handle} has not finished")
         if forget:
@@ -266,10 +288,15 @@ class Session:
         return self._result(row)
 
     def reset(self) -> None:
-        """Drop every row (after a failure: the caches' state is not trusted); slots are reused."""
+        """Drop every row (after a failure: the caches' state is not trusted); slots are reused. Called from a
+        callback inside a step, the rows end at once (no more tokens) and the rest is done when the step returns."""
         for row in list(self.waiting) + [r for r in self.slot_rows if r is not None]:
             if row.finish is None:
                 row.finish = "cancelled"
+        if self._in_step:
+            self._reset_pending = True
+            return
+        self._reset_pending = False
         self.waiting.clear()
         self.prefilling = []
         self.slot_rows = [None] * self.slots
@@ -489,7 +516,10 @@ class Session:
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, row: _Row, toks: List[int]) -> None:
-        """Append accepted tokens to a row, applying stop tokens/strings, budgets and the streaming callbacks."""
+        """Append accepted tokens to a row, applying stop tokens/strings, budgets and the streaming callbacks; a
+        row that has finished (cancelled by a callback earlier in this step) gets nothing."""
+        if row.finish is not None:
+            return
         sp = row.params
         new: List[int] = []
         for t in toks:
@@ -564,7 +594,7 @@ def run_session(model: torch.nn.Module, prompts: List[List[int]], params: List[S
     slots = opts.pop("max_batch", None) or len(prompts)
     need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
     sess = Session(model, method, draft_model, opts, tokenizer, max_batch=slots, max_seq_len=need,
-                   prefill_chunk_tokens=opts.get("prefill_chunk_tokens", 1 << 30))
+                   prefill_chunk_tokens=opts.get("prefill_chunk_tokens", 1 << 30), shared_caches=True)
     dev = sess.device
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -87,8 +87,8 @@ class DFlashProposer(ParallelLevels, SpecModelProposer):
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
         """The draft KV cache of injected context and each slot's anchor token."""
-        self.cache = sess.engine.cache(("dflash", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
-                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.cache = sess.cache(("dflash", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.slots = sess.slots
         self.last_tok = torch.zeros(sess.slots, dtype=torch.long, device=sess.device)
         self.deferred_f = None

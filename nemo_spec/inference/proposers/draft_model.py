@@ -49,8 +49,8 @@ class DraftModelProposer(BaseProposer):
 
     def setup(self, sess: Any) -> None:
         """The draft's own KV cache, one row per slot."""
-        self.cache = sess.engine.cache(("draft_model", id(self.draft)), sess.slots, sess.slot_len,
-                                       lambda bb, ll: new_kv_cache(self.draft, bb, ll))
+        self.cache = sess.cache(("draft_model", id(self.draft)), sess.slots, sess.slot_len,
+                                lambda bb, ll: new_kv_cache(self.draft, bb, ll))
         self.count = [0] * sess.slots  # sequence tokens held in the draft cache, per slot
 
     def admit(self, sess: Any, slot: int, row: Any) -> None:

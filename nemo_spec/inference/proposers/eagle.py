@@ -107,8 +107,8 @@ class EagleProposer(PromptWindow, SpecModelProposer):
 
     def setup(self, sess: Any) -> None:
         """The draft's KV cache, one row per slot (plus room for the drafted tree levels)."""
-        self.cache = sess.engine.cache(("eagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
-                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.cache = sess.cache(("eagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.root_hidden = self.root_logits = None
         self.slots = sess.slots
         self.deferred_f = None

@@ -104,8 +104,8 @@ class PEagleProposer(ParallelLevels, PromptWindow, SpecModelProposer):
     # ---- slots ---------------------------------------------------------------------------------------------
     def setup(self, sess: Any) -> None:
         """The draft KV cache and the per-slot pending pairs."""
-        self.cache = sess.engine.cache(("peagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
-                                       lambda bb, ll: self.spec.new_draft_cache(bb, ll))
+        self.cache = sess.cache(("peagle", id(self.spec)), sess.slots, sess.slot_len + self.extra_slots,
+                                lambda bb, ll: self.spec.new_draft_cache(bb, ll))
         self.slots = sess.slots
         self.blk_feat = self.blk_tok = self.mask_feat = None
         self.pend_n = [0] * sess.slots
