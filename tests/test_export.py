@@ -282,6 +282,29 @@ def test_failed_export_leaves_nothing_and_keeps_previous(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
 
 
+def test_overwrite_replaces_an_earlier_export_only(tmp_path):
+    """export --overwrite into the source checkpoint, or into any directory that is not an export, deleted it
+    (found by review: a checkpoint exported onto itself was gone); now refused, and the directory untouched. An
+    earlier export is still replaced."""
+    from nemo_spec.checkpoint import save_checkpoint
+    from nemo_spec.models import build_gpt
+    from tests.helpers import tiny_llama
+
+    ck = save_checkpoint(build_gpt(tiny_llama()), tmp_path / "ck")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    for target in (ck, home):
+        before = sorted(p.name for p in target.iterdir())
+        with pytest.raises(ExportError, match="not an export .*refusing to replace it"):
+            export_checkpoint(ck, target, fmt="base", dtype="fp32", overwrite=True)
+        assert sorted(p.name for p in target.iterdir()) == before
+    first = export_checkpoint(ck, tmp_path / "exp", fmt="base", dtype="fp32")
+    (first / "stale.txt").write_text("old")
+    again = export_checkpoint(ck, first, fmt="base", dtype="fp32", overwrite=True)
+    assert again == first and not (first / "stale.txt").exists() and (first / "export_info.json").is_file()
+
+
 def test_untransformed_checkpoint_as_draft_fails_before_loading(tmp_path):
     from nemo_spec.models import build_gpt
     from tests.export_utils import base_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_spec.checkpoint import hf
+from nemo_spec.checkpoint import detect_format, hf, save_checkpoint
 from nemo_spec.checkpoint.hf import HFCheckpointError, export_hf, hf_to_model_config, load_hf
 from nemo_spec.models import build_gpt, gpt_forward
 from tests.helpers import ROOT, run_torchrun, script_env, tiny_llama
@@ -382,8 +382,17 @@ def test_export_refuses_nonempty_dir_and_leaves_nothing_on_failure(tmp_path, mon
         export_hf(model, tmp_path / "o3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial or temp directory left
     monkeypatch.undo()
-    export_hf(model, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    with pytest.raises(HFCheckpointError, match="not a Hugging Face model directory"):
+        export_hf(model, out, overwrite=True)  # overwrite never replaces an unrelated directory ...
+    assert (out / "keep.txt").read_text() == "x"
+    first = export_hf(model, tmp_path / "o4")
+    (first / "stale.txt").write_text("old")
+    export_hf(model, first, overwrite=True)  # ... only an earlier HF export
+    assert not (first / "stale.txt").exists() and (first / "model.safetensors").is_file()
+    ck = save_checkpoint(model, tmp_path / "ck")
+    with pytest.raises(HFCheckpointError, match="not a Hugging Face model directory"):
+        hf.convert_checkpoint_to_hf(ck, ck, overwrite=True)  # it deleted its own source checkpoint
+    assert detect_format(ck) == "nemo_spec"
 
 
 def test_export_rejects_unrepresentable_config():

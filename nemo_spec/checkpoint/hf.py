@@ -315,6 +315,11 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
             out.rmdir()
         elif not overwrite:
             raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
+        elif not (out.is_dir() and (out / "config.json").is_file() and not (out / "nemo_spec_config.json").exists()
+                  and not (out / "metadata.json").exists()):
+            raise HFCheckpointError(f"{out}: exists and is not a Hugging Face model directory (config.json, no "
+                                    f"nemo_spec checkpoint files): overwrite replaces an earlier HF export only; "
+                                    f"refusing to replace it")
     publish_directory(tmp, out)
 
 

@@ -130,12 +130,19 @@ def read_json(path: Path) -> Dict:
 
 
 def check_export_dir(path: Path, overwrite: bool) -> None:
-    """Refuse a target that is a file, or a non-empty directory unless ``overwrite``."""
+    """Refuse a target that is a file, or a non-empty directory unless ``overwrite``; ``overwrite`` replaces an
+    earlier export only (one with export_info.json), never a checkpoint or any other directory."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ExportError(f"export_dir {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ExportError(f"export_dir {path} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise ExportError(f"export_dir {path} exists and is not empty; pass --overwrite (overwrite=True) to "
+                              f"replace it")
+        if not (path / "export_info.json").is_file():
+            raise ExportError(f"export_dir {path} exists and is not an export (no export_info.json): --overwrite "
+                              f"replaces an earlier export only, never a checkpoint or another directory; "
+                              f"refusing to replace it")
 
 
 @contextlib.contextmanager
