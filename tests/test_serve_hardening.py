@@ -643,3 +643,32 @@ def test_a_client_leaving_mid_batch_does_not_stop_the_worker(tok, method, transf
         assert batcher.alive and srv.app.state.metrics.cancelled.total() >= 1
         nxt = _post(srv, "/v1/completions", {**other, "max_tokens": 4}, 60)
         assert nxt.status_code == 200 and nxt.json()["usage"]["completion_tokens"] == 4
+
+
+def test_review_found_requests_get_4xx_or_their_defaults(model, tok):
+    """Requests an HTTP review found answered with a 500 or wrongly refused: a prompt list with one empty entry
+    (500 "generation failed: prompt 1 is empty"), a body nested thousands deep (500 RecursionError), an admin
+    load with a non-string path or chat_template (500 TypeError), and null for fields OpenAI lets be null (400;
+    the official client sends n=None). Now 400s naming the problem, or the field's default; the server then
+    answers a normal request."""
+    with live_server(model, tok, name="tiny", admin_key="adm") as srv:
+        for prompt in (["the cat", ""], [[5, 6], []]):
+            r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400 and "prompt[1] is empty" in r.json()["error"]["message"], r.text
+        deep = ('{"model": "tiny", "prompt": ' + "[" * 5000 + "]" * 5000 + "}").encode()
+        for path in ("/v1/completions", "/v1/chat/completions", "/admin/models/load"):
+            r = httpx.post(srv.url + path, content=deep, timeout=60, headers={
+                "Content-Type": "application/json", "Authorization": "Bearer adm"})
+            assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"], (path, r.text)
+        for field in ("path", "chat_template"):
+            r = _post(srv, "/admin/models/load", {"name": "x", "path": "/no/such", field: 5},
+                      headers={"Authorization": "Bearer adm"})
+            assert r.status_code == 400 and f"{field} must be a string" in r.json()["error"]["message"], r.text
+        for field in ("n", "stream", "echo"):
+            r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2,
+                                               "ignore_eos": True, field: None})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (field, r.text)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        out = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                        n=None, stream=None)
+        assert len(out.choices) == 1 and 1 <= out.usage.completion_tokens <= 2

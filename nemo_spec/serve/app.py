@@ -70,11 +70,13 @@ def _find_surrogate(obj: Any, path: str = "body") -> Optional[str]:
 def _decode_json_object(raw: bytes) -> Dict[str, Any]:
     try:
         data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise P.invalid("The request body must be a JSON object", code="invalid_json")
+        bad = _find_surrogate(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.invalid(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from e
-    if not isinstance(data, dict):
-        raise P.invalid("The request body must be a JSON object", code="invalid_json")
-    bad = _find_surrogate(data)
+    except RecursionError as e:  # arrays/objects nested thousands deep: no field of the API nests like that
+        raise P.invalid("The JSON body of your request nests too deeply to be read", code="invalid_json") from e
     if bad:
         raise P.invalid(f"'{bad}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
                         bad.split(".")[0].split("[")[0], "invalid_unicode")
@@ -167,6 +169,9 @@ def _resolve_max_tokens(served: ServedModel, prompts: List[List[int]], requested
     ctx = served.max_context
     if longest == 0:
         raise P.invalid("the prompt is empty", prompt_param)
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise P.invalid(f"{prompt_param}[{empty[0]}] is empty; every prompt needs at least one token", prompt_param)
     if longest >= ctx:
         raise P.invalid(f"This model's maximum context length is {ctx} tokens. However, your prompt has "
                         f"{longest} tokens. Please reduce the length of the prompt.", prompt_param,

@@ -39,6 +39,10 @@ class ModelSpec:
         where = f"serve model {self.name!r}"
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"{where}: name must be a non-empty string, got {self.name!r}")
+        for key in ("path", "tokenizer", "draft_path", "chat_template"):
+            v = getattr(self, key)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{where}: {key} must be a string or null, got {v!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"{where}: dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.method not in METHODS:

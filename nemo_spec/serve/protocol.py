@@ -55,6 +55,17 @@ class _Request(BaseModel):
     logit_bias: Optional[Dict[str, float]] = None
     user: Optional[str] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's API does (the official client sends n=None etc.)."""
+        if isinstance(data, dict):
+            nulls = [k for k, v in data.items() if v is None and k in cls.model_fields
+                     and not cls.model_fields[k].is_required() and cls.model_fields[k].default is not None]
+            if nulls:
+                return {k: v for k, v in data.items() if k not in nulls}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Optional[Union[str, List[str]]]) -> Optional[Union[str, List[str]]]:
