@@ -200,6 +200,22 @@ def test_single_target_writes_draft_dir_and_verifies_at_export(tmp_path):
         export_model(model, tmp_path / "r", target="reference")
 
 
+def test_an_export_that_fails_verification_is_never_published(tmp_path):
+    """verify=True ran after the export was renamed into place: a failed verification raised but left a complete
+    looking export behind (and a retry then met "exists and is not empty"); found by review. Now verification
+    reads the temp directory first: nothing appears, and the retry with a fixed model succeeds."""
+    model = make_model("eagle3", seed=2).eval()
+    with torch.no_grad():  # beyond fp16's range: inf in the fp16 export, so the readers disagree with the model
+        model.eagle_module.fc.weight[0, 0] = 1e6
+    out = tmp_path / "ex"
+    with pytest.raises(ExportError, match="does not load as our draft.*nothing was written"):
+        export_model(model, out, dtype="fp16", verify=True)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    with torch.no_grad():
+        model.eagle_module.fc.weight[0, 0] = 0.0
+    assert (export_model(model, out, dtype="fp16", verify=True) / "export_info.json").is_file()
+
+
 def test_trtllm_b35ac1b_multi_layer_names_and_every_layer_eagle3(exports, tmp_path):
     """TensorRT-LLM @ b35ac1b64368: load_weights only prefixes 'model.' (modeling_speculative.py:301-305) onto
     midlayer.N (171-177), and every layer is an Eagle3DecoderLayer with input_layernorm + hidden_norm and a 2h qkv

@@ -355,6 +355,14 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
                                                                             else "../../base"),
                                  "speculative": spec_model.spec_config.to_dict()}
 
+    check = verify and fmt in DRAFT_FORMATS
+    if check and (parallel.tp_size() > 1 or parallel.ep_size() > 1):
+        log.warning("verification skipped under tensor/expert parallelism; run scripts/verify_export.py %s "
+                    "--checkpoint <ckpt>", out_dir)
+        check = False
+    elif check and not include_base:
+        log.warning("verification skipped: no base/ exported (the readers run the exported base)")
+        check = False
     tmp = _new_tmp_dir(out_dir)
     try:
         if include_base:
@@ -382,6 +390,14 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
             }
             write_json(tmp / EXPORT_INFO, info)
             (tmp / "README.md").write_text(render_readme(out_dir, info))
+            if check:  # before publishing: an export that fails it never appears under out_dir
+                from nemo_spec.export.engines import format_table, rows_ok, verify_export
+
+                rows = verify_export(tmp, model=spec_model)
+                log.info("export verification (engine conformance readers):\n%s", format_table(rows))
+                if not rows_ok(rows):
+                    raise ExportError(f"export {out_dir} does not load as our draft in every engine (nothing was "
+                                      f"written to {out_dir}):\n{format_table(rows)}")
             publish_directory(tmp, out_dir)
 
         _on_rank0(write_rest, f"export to {out_dir}")
@@ -390,20 +406,6 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
             shutil.rmtree(tmp, ignore_errors=True)
     if parallel.is_rank_zero():
         log.info("exported %s (%s) to %s", fmt, hf_dtype_name(torch_dtype), out_dir)
-    if verify and fmt in DRAFT_FORMATS:
-        if parallel.tp_size() > 1 or parallel.ep_size() > 1:
-            log.warning("verification skipped under tensor/expert parallelism; run scripts/verify_export.py %s "
-                        "--checkpoint <ckpt>", out_dir)
-        elif not include_base:
-            log.warning("verification skipped: no base/ exported (the readers run the exported base)")
-        else:
-            from nemo_spec.export.engines import format_table, rows_ok, verify_export
-
-            rows = verify_export(out_dir, model=spec_model)
-            log.info("export verification (engine conformance readers):\n%s", format_table(rows))
-            if not rows_ok(rows):
-                raise ExportError(f"export {out_dir} does not load as our draft in every engine:\n"
-                                  f"{format_table(rows)}")
     return out_dir
 
 
