@@ -346,3 +346,29 @@ def test_hugging_face_dirs_dispatch_to_hf(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="config.json.*BertForMaskedLM"):
         load_model(out)
+
+
+@pytest.mark.parametrize("damage", ["delete_shard", "truncate_shard", "delete_common", "truncate_common"])
+def test_a_damaged_checkpoint_is_a_checkpoint_error_naming_its_files(tmp_path, damage, capsys):
+    """A deleted or truncated shard / common.pt raised torch's CheckpointException (a BaseException, so it escaped
+    every script's one-line user-error report), an AttributeError or a RuntimeError from inside megatron (found by
+    review). Now a CheckpointError naming the missing file, or the files one of which is damaged; export.py
+    exits 2 with one line."""
+    from nemo_spec.checkpoint import load_model, save_checkpoint
+    from nemo_spec.export.cli import main as export_main
+
+    torch.manual_seed(0)
+    ck = save_checkpoint(build_gpt(tiny_llama()), tmp_path / "ck")
+    f = next(p for p in ck.iterdir() if p.suffix == ".distcp") if damage.endswith("shard") else ck / "common.pt"
+    if damage.startswith("delete"):
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=("files missing" if damage.startswith("delete") else "damaged file")):
+        load_model(ck)
+    try:
+        load_model(ck)
+    except CheckpointError as e:
+        assert f.name in str(e)
+    assert export_main(["--checkpoint", str(ck), "--export_dir", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -531,11 +531,28 @@ def load_dist_into(module: torch.nn.Module, ckpt_dir: Path, source: str,
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if sharded_sd is None:
         sharded_sd = module.sharded_state_dict()
     check_sharded_shapes(sharded_sd, ckpt_dir, source)
-    with dcp_io():
-        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
+    try:  # every file the checkpoint's metadata names must be there (else megatron/torch fail deep inside)
+        files = {"common.pt"} | {str(v.relative_path) for v in
+                                 FileSystemReader(str(ckpt_dir)).read_metadata().storage_data.values()}
+    except Exception as e:  # noqa: BLE001 - any unreadable .metadata
+        raise CheckpointError(f"{ckpt_dir}: cannot read the torch_dist metadata (.metadata): {e}") from e
+    missing = sorted(f for f in files if not (Path(ckpt_dir) / f).is_file())
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: checkpoint files missing: {missing} (an incomplete copy?)")
+    try:
+        with dcp_io():
+            loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), strict=StrictHandling.LOG_UNEXPECTED)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        first = str(e).strip().splitlines()
+        sizes = ", ".join(f"{f} ({(Path(ckpt_dir) / f).stat().st_size} bytes)" for f in sorted(files))
+        raise CheckpointError(f"{ckpt_dir}: cannot read the checkpoint's tensors ({type(e).__name__}: "
+                              f"{first[0][:200] if first else ''}); a truncated or damaged file among: {sizes}") from None
     if key_map is not None:
         loaded = key_map(loaded)
     result = module.load_state_dict(loaded, strict=False)
