@@ -116,6 +116,14 @@ def test_gpt_speculate_end_to_end(tmp_path, capsys):
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--algorithm", "eagle3",
                  "--draft_vocab_size", "500"]) == 2
     assert "error: draft_vocab_size=500" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # malformed --token_counts files: one-line errors (were JSONDecodeError / UnpicklingError / ValueError tracebacks)
+    for name, data, kind in (("bad.json", b"[1, 2,", "JSON list"), ("bad.pt", b"garbage", "torch.save"),
+                             ("words.json", json.dumps(["a"] * 96).encode(), "JSON list")):
+        (tmp_path / name).write_bytes(data)
+        assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "x"), "--algorithm", "eagle3",
+                     "--draft_vocab_size", "32", "--token_counts", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --token_counts {tmp_path / name}: not a") and kind in err, err
     # EAGLE-3 with a frequency-based draft vocabulary (in-process: same code path as the script)
     assert main(["--model_path", str(src), "--export_dir", str(tmp_path / "e3"), "--algorithm", "eagle3",
                  "--num_eagle_layers", "1", "--draft_vocab_size", "32", "--token_counts", str(counts)]) == 0

@@ -65,10 +65,15 @@ def _load_counts(path: str, vocab_size: int) -> torch.Tensor:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--token_counts {path}: no such file")
-    if p.suffix == ".json":
-        counts = torch.tensor(json.loads(p.read_text()), dtype=torch.float64)
-    else:
-        counts = torch.as_tensor(torch.load(p, map_location="cpu", weights_only=True), dtype=torch.float64)
+    try:
+        if p.suffix == ".json":
+            counts = torch.tensor(json.loads(p.read_text()), dtype=torch.float64)
+        else:
+            counts = torch.as_tensor(torch.load(p, map_location="cpu", weights_only=True), dtype=torch.float64)
+    except Exception as e:  # noqa: BLE001 - unreadable JSON / pickle, or values that are not numbers
+        kind = "a JSON list of numbers" if p.suffix == ".json" else "a torch.save'd 1-D tensor"
+        raise ConfigError(f"--token_counts {path}: not {kind} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     if counts.ndim != 1 or counts.numel() != vocab_size:
         raise ConfigError(f"--token_counts {path}: expected {vocab_size} counts, got shape {tuple(counts.shape)}")
     return counts
