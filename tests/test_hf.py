@@ -457,3 +457,18 @@ def test_convert_hf_to_torch_dist_and_back(tmp_path):
     assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     assert (_hf_logits(back, x) - ref).abs().max() < 1e-4
+
+
+def test_fp16_export_refuses_weights_beyond_its_range(tmp_path):
+    """A weight beyond fp16's range was written as inf without a word (found by review): now an error naming the
+    tensor and its largest value, nothing written; bf16 holds it."""
+    torch.manual_seed(0)
+    m = build_gpt(tiny_llama())
+    with torch.no_grad():
+        m.decoder.layers[0].mlp.linear_fc2.weight[0, 0] = 1e5  # fp16's largest finite value is 65504
+    with pytest.raises(HFCheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: values up to 1e\+05 do "
+                                                r"not fit float16"):
+        export_hf(m, tmp_path / "hf", dtype="fp16")
+    assert not (tmp_path / "hf").exists()
+    sd = load_file(str(export_hf(m, tmp_path / "bf", dtype="bf16") / "model.safetensors"))
+    assert all(bool(torch.isfinite(v.float()).all()) for v in sd.values())

@@ -347,8 +347,14 @@ def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional
     if parallel.is_rank_zero():
         tmp: Optional[Path] = None
         try:
-            tensors = {k: v.detach().to("cpu", torch_dtype).contiguous()
-                       for k, v in hf_state_dict_from_megatron(full, cfg, hf_config["model_type"]).items()}
+            tensors = {}
+            for k, v in hf_state_dict_from_megatron(full, cfg, hf_config["model_type"]).items():
+                t = v.detach().to("cpu", torch_dtype).contiguous()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()) and bool(torch.isfinite(v).all()):
+                    raise HFCheckpointError(f"{k}: values up to {float(v.abs().max()):.4g} do not fit "
+                                            f"{_DTYPE_NAMES[torch_dtype]} (they would be written as inf); export "
+                                            f"in bf16 or fp32")
+                tensors[k] = t
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
             _write_hf_dir(tmp, hf_config, tensors, cfg, tok)
