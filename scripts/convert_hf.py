@@ -32,15 +32,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer_dir", default=None, help="export: tokenizer files to copy (default: from src)")
     ap.add_argument("--architecture", default=None, choices=sorted(hf.SUPPORTED_ARCHITECTURES),
                     help="export: HF architecture to write (default: derived from the model config)")
-    ap.add_argument("--overwrite", action="store_true", help="export: replace a non-empty destination")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty destination (export: an earlier "
+                    "HF export; import: an earlier checkpoint)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parallel.initialize(tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
     try:
         if args.direction == "import" and (gguf.is_gguf_file(args.src) or args.src.lower().endswith(".gguf")):
-            out = gguf.convert_gguf_to_checkpoint(args.src, args.dst, params_dtype=hf.resolve_dtype(args.dtype))
+            out = gguf.convert_gguf_to_checkpoint(args.src, args.dst, params_dtype=hf.resolve_dtype(args.dtype),
+                                                  overwrite=args.overwrite)
         elif args.direction == "import":
-            out = hf.convert_hf_to_checkpoint(args.src, args.dst)
+            out = hf.convert_hf_to_checkpoint(args.src, args.dst, overwrite=args.overwrite)
         else:
             out = hf.convert_checkpoint_to_hf(args.src, args.dst, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir,
                                               architecture=args.architecture, overwrite=args.overwrite)

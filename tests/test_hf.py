@@ -472,3 +472,18 @@ def test_fp16_export_refuses_weights_beyond_its_range(tmp_path):
     assert not (tmp_path / "hf").exists()
     sd = load_file(str(export_hf(m, tmp_path / "bf", dtype="bf16") / "model.safetensors"))
     assert all(bool(torch.isfinite(v.float()).all()) for v in sd.values())
+
+
+def test_import_overwrite_replaces_a_checkpoint_and_is_checked_before_loading(tmp_path, monkeypatch):
+    """convert_hf.py import --overwrite was not passed on (a second import into the same directory failed, telling
+    the user to pass the option they had passed) and the check ran after the whole model was loaded (found by
+    review). Now the destination is checked first and --overwrite replaces the earlier checkpoint."""
+    torch.manual_seed(0)
+    src = export_hf(build_gpt(tiny_llama()), tmp_path / "hf")
+    ck = hf.convert_hf_to_checkpoint(src, tmp_path / "ck")
+    real = hf.load_hf
+    monkeypatch.setattr(hf, "load_hf", lambda *a, **k: pytest.fail("loaded before checking the destination"))
+    with pytest.raises(HFCheckpointError, match="exists and is not empty"):
+        hf.convert_hf_to_checkpoint(src, ck)
+    monkeypatch.setattr(hf, "load_hf", real)
+    assert hf.convert_hf_to_checkpoint(src, ck, overwrite=True) == ck and detect_format(ck) == "nemo_spec"

@@ -388,18 +388,27 @@ def has_tokenizer_files(path: PathLike) -> bool:
 
 
 def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
-                             params_dtype: torch.dtype = torch.float32) -> Path:
-    """Import an HF directory (current TP size) and save it as our torch_dist checkpoint (all ranks call)."""
+                             params_dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
+    """Import an HF directory (current TP size) and save it as our torch_dist checkpoint (all ranks call);
+    ``overwrite`` replaces an existing checkpoint at ``out_dir`` (checked before the model is loaded)."""
     from nemo_spec.checkpoint import save_checkpoint  # type: ignore[attr-defined]  # written by the checkpoint helper
 
     src = Path(hf_dir).resolve()
+    _check_import_target(Path(out_dir), overwrite)
     model = load_hf(src, params_dtype=params_dtype)
     with tempfile.TemporaryDirectory(prefix="nemo_spec_hf_tok-") as tmp:
         tok: Optional[Path] = None
         if has_tokenizer_files(src):  # only tokenizer files (and the generation config), never the weights
             tok = Path(tmp)
             copy_tokenizer(src, tok)
-        return save_checkpoint(model, out_dir, tokenizer_dir=tok, extra={"converted_from_hf": str(src)})
+        return save_checkpoint(model, out_dir, tokenizer_dir=tok, overwrite=overwrite,
+                               extra={"converted_from_hf": str(src)})
+
+
+def _check_import_target(out: Path, overwrite: bool) -> None:
+    """An import's destination must be new or empty, or (``overwrite``) a checkpoint: fail before loading."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
 
 
 def convert_checkpoint_to_hf(ckpt_dir: PathLike, out_dir: PathLike, dtype: Union[str, torch.dtype] = torch.float32,
