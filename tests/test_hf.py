@@ -487,3 +487,25 @@ def test_import_overwrite_replaces_a_checkpoint_and_is_checked_before_loading(tm
         hf.convert_hf_to_checkpoint(src, ck)
     monkeypatch.setattr(hf, "load_hf", real)
     assert hf.convert_hf_to_checkpoint(src, ck, overwrite=True) == ck and detect_format(ck) == "nemo_spec"
+
+
+@pytest.mark.parametrize("bad", [{"rope_scaling": {"type": "linear"}}, {"rope_scaling": {"rope_type": "linear",
+                                                                                          "factor": "four"}},
+                                 {"rope_theta": "1e4x"}, {"num_attention_heads": 0, "head_dim": None},
+                                 {"num_attention_heads": "four"}, {"architectures": 5}])
+def test_a_config_field_of_the_wrong_kind_is_an_error_naming_config_json(tmp_path, bad):
+    """config.json values of the wrong type, or a rope_scaling without its factor, escaped as a bare KeyError /
+    ValueError / ZeroDivisionError / TypeError from inside the family code (found by review)."""
+    import shutil
+
+    from nemo_spec.checkpoint import CheckpointError, load_model
+
+    torch.manual_seed(0)
+    d = export_hf(build_gpt(tiny_llama()), tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(bad)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_model(d)
+    shutil.rmtree(d)

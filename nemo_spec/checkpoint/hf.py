@@ -85,8 +85,16 @@ def hf_model_type(hf: Mapping[str, Any], source: str = "config.json") -> str:
 
 
 def hf_to_model_config(hf_config: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """Translate an HF config.json dict into our ModelConfig through its family's declaration."""
-    return families.family_of_hf(hf_config, source).from_hf(dict(hf_config), source)
+    """Translate an HF config.json dict into our ModelConfig through its family's declaration; a field of the
+    wrong type or value (a string for a count, a rope_scaling without its factor, zero heads ...) is an
+    HFCheckpointError naming ``source``."""
+    try:
+        return families.family_of_hf(hf_config, source).from_hf(dict(hf_config), source)
+    except HFCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise HFCheckpointError(f"{source}: invalid model config ({what})") from e
 
 
 def check_exportable(cfg: ModelConfig, architecture: Optional[str] = None) -> str:
