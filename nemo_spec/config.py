@@ -66,12 +66,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads > 0:
+        if (self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0
+                and isinstance(self.hidden_size, int)):  # (wrong types: validate() names the field)
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
-        if self.sliding_window_layers is not None:
-            self.sliding_window_layers = sorted(int(i) for i in self.sliding_window_layers)
+        if isinstance(self.sliding_window_layers, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.sliding_window_layers):
+            self.sliding_window_layers = sorted(self.sliding_window_layers)
         self.validate()
 
     def validate(self) -> None:
@@ -87,9 +89,23 @@ class ModelConfig:
                f"ModelConfig.activation must be 'swiglu', 'gelu' or 'gelu_exact', got {self.activation!r}")
         _check(self.position_embedding in ("rope", "learned"),
                f"ModelConfig.position_embedding must be 'rope' or 'learned', got {self.position_embedding!r}")
+        for name in ("num_query_groups", "head_dim"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                   f"ModelConfig.{name} must be a positive int, got {v!r}")
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                   f"ModelConfig.{name} must be a positive number, got {v!r}")
         _check(self.num_attention_heads % self.num_query_groups == 0,
                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                f"num_query_groups ({self.num_query_groups})")
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, dict),
+               f"ModelConfig.rope_scaling must be a mapping or None, got {self.rope_scaling!r}")
+        if self.sliding_window_layers is not None:
+            _check(isinstance(self.sliding_window_layers, (list, tuple))
+                   and all(isinstance(i, int) and not isinstance(i, bool) for i in self.sliding_window_layers),
+                   f"ModelConfig.sliding_window_layers must be a list of ints, got {self.sliding_window_layers!r}")
         if self.rope_scaling is not None:
             rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _check(rt in ("linear", "llama3", "default"),

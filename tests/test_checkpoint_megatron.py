@@ -372,3 +372,22 @@ def test_a_damaged_checkpoint_is_a_checkpoint_error_naming_its_files(tmp_path, d
         assert f.name in str(e)
     assert export_main(["--checkpoint", str(ck), "--export_dir", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("field,value", [("num_query_groups", 0), ("head_dim", 0), ("head_dim", "16"),
+                                         ("rope_theta", "abc"), ("rope_scaling", ["linear"]),
+                                         ("sliding_window_layers", ["a"]), ("norm_eps", "x")])
+def test_a_model_field_of_the_wrong_kind_is_a_config_error_naming_it(tmp_path, field, value):
+    """nemo_spec_config.json model fields the config did not check raised ZeroDivisionError / TypeError /
+    AttributeError / ValueError from inside megatron or the RoPE code, or (norm_eps) loaded silently (found by
+    review); now the checkpoint's config error names the field."""
+    from nemo_spec.checkpoint import load_model, save_checkpoint
+
+    torch.manual_seed(0)
+    ck = save_checkpoint(build_gpt(tiny_llama()), tmp_path / "ck")
+    path = ck / "nemo_spec_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["model"][field] = value
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointConfigError, match=field):
+        load_model(ck)
