@@ -627,10 +627,10 @@ def convert_gguf_to_checkpoint(src: PathLike, out_dir: PathLike, params_dtype: t
     """Import a GGUF file (current TP size) and save it as our torch_dist checkpoint with its tokenizer (all ranks)."""
     from nemo_spec.checkpoint import save_checkpoint
 
-    from nemo_spec.checkpoint.hf import _check_import_target
+    from nemo_spec.checkpoint.hf import _refuse_nonempty
 
     p = check_gguf_file(src).resolve()
-    _check_import_target(Path(out_dir), overwrite)
+    _refuse_nonempty(Path(out_dir), overwrite)
     model = load_gguf(p, params_dtype=params_dtype)
     with tempfile.TemporaryDirectory(prefix="nemo_spec_gguf_tok-") as tmp:
         tok: Optional[Path] = None

@@ -348,8 +348,7 @@ def export_hf(model: torch.nn.Module, out_dir: PathLike, tokenizer_dir: Optional
     tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
     if tok is not None and not tok.is_dir():
         raise HFCheckpointError(f"tokenizer_dir {tok}: not a directory")
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
+    _refuse_nonempty(out, overwrite)
     full = tp_mod.gather_full_state_dict(gpt, gated=cfg.activation == "swiglu")
     error: Optional[BaseException] = None
     if parallel.is_rank_zero():
@@ -402,7 +401,7 @@ def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
     from nemo_spec.checkpoint import save_checkpoint  # type: ignore[attr-defined]  # written by the checkpoint helper
 
     src = Path(hf_dir).resolve()
-    _check_import_target(Path(out_dir), overwrite)
+    _refuse_nonempty(Path(out_dir), overwrite)
     model = load_hf(src, params_dtype=params_dtype)
     with tempfile.TemporaryDirectory(prefix="nemo_spec_hf_tok-") as tmp:
         tok: Optional[Path] = None
@@ -413,8 +412,9 @@ def convert_hf_to_checkpoint(hf_dir: PathLike, out_dir: PathLike,
                                extra={"converted_from_hf": str(src)})
 
 
-def _check_import_target(out: Path, overwrite: bool) -> None:
-    """An import's destination must be new or empty, or (``overwrite``) a checkpoint: fail before loading."""
+def _refuse_nonempty(out: Path, overwrite: bool) -> None:
+    """A destination must be new or empty unless ``overwrite`` (checked before anything is loaded or gathered; what
+    overwrite may replace is checked where it is replaced)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
 
@@ -426,8 +426,7 @@ def convert_checkpoint_to_hf(ckpt_dir: PathLike, out_dir: PathLike, dtype: Union
     src = Path(ckpt_dir)
     resolve_dtype(dtype)  # fail before loading anything
     out = Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise HFCheckpointError(f"{out}: exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
+    _refuse_nonempty(out, overwrite)
     if is_hf_dir(src):
         model = load_hf(src)
         tok = Path(tokenizer_dir) if tokenizer_dir else (src if has_tokenizer_files(src) else None)
