@@ -197,8 +197,8 @@ class EagleProposer(PromptWindow, SpecModelProposer):
     def _defer(self, st: StepState, f: torch.Tensor, toks: List[int]) -> None:
         """Keep each row's (base feature [b, F] before the draft's fc, token) pair of a level-0 step; once the
         buffer is full, the rows whose prompt still waits (never drafted for) add their buffered pairs to it, to be
-        read with the prompt when the row first drafts (never, if it never does: such a row costs an AR row; what
-        it holds stays below what a slot-length prompt would), and the other rows catch up."""
+        read with the prompt when the row first drafts (never, if it never does: such a row costs an AR row; it
+        holds at most one pair per position of its slot), and the other rows catch up."""
         b = st.b
         if self.deferred_f is None:
             self.deferred_f = f.new_zeros(self.slots, self.lazy_steps, f.shape[-1])
@@ -210,9 +210,7 @@ class EagleProposer(PromptWindow, SpecModelProposer):
                                                  tensor(self.deferred_tok[r], f.device)))
                     self.deferred_tok[r] = []
             if any(self.deferred_tok[:b]):
-                self._catch_up(st, prompts=False)
-            for r in range(b):
-                self.deferred_tok[r] = []
+                self._catch_up(st, prompts=False)  # empties every row's deferred pairs
             n = [0] * b
         rows = torch.arange(b, device=f.device)
         self.deferred_f[rows, tensor(n, f.device)] = f
