@@ -171,15 +171,26 @@ def test_serve_script_loads_checkpoint_from_config(model, tok, tok_dir, tmp_path
             proc.wait(10)
 
 
-def test_engine_failure_is_a_500_and_the_worker_survives(model, tok):
-    # a KV cache too small for long requests makes the real engine raise inside the batch
-    with live_server(model, tok, name="tiny", options={"max_cache_len": 24}) as srv:
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the cat sat on",
+def test_engine_failure_is_a_500_and_the_worker_survives(model, tok, monkeypatch):
+    # the real engine raises inside the batch whenever a (poison) request's row is in it
+    from nemo_spec.inference.engine import Engine
+
+    poison = tok("numbers 9 9 9").input_ids
+    orig = Engine.verify
+
+    def verify(self, st, *a, **kw):
+        if any(s[: len(poison)] == poison for s in st.seqs):
+            raise RuntimeError("poison row")
+        return orig(self, st, *a, **kw)
+
+    monkeypatch.setattr(Engine, "verify", verify)
+    with live_server(model, tok, name="tiny") as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": poison,
                                                           "max_tokens": 40, "temperature": 0}, timeout=60)
         assert r.status_code == 500
-        assert r.json()["error"]["type"] == "server_error" and "cache" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error" and "poison row" in r.json()["error"]["message"]
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": "the cat", "max_tokens": 40, "stream": True}) as s:
+                          json={"model": "tiny", "prompt": poison, "max_tokens": 40, "stream": True}) as s:
             lines = [l for l in s.iter_lines() if l.startswith("data: ")]
         assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
         ok = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the cat", "max_tokens": 3,

@@ -59,23 +59,34 @@ def test_seed_out_of_range_is_a_400(model, tok):
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "batch"])
-def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok, scheduler):
-    """A request the engine cannot run (too long for the KV cache) arrives with three good ones: only the bad
-    request gets the 500. The fixed-batch scheduler runs them in one batch, which fails and is rerun request by
-    request; the continuous one refuses the bad request when it would join, before any step."""
+def test_a_failing_row_never_fails_the_requests_batched_with_it(model, tok, scheduler, monkeypatch):
+    """A request the engine refuses (its row check raises, as for a row that cannot run) arrives with three good
+    ones: only the bad request gets the 500. The fixed-batch scheduler runs them in one batch, which fails and is
+    rerun request by request; the continuous one refuses the bad request when it would join, before any step."""
+    from nemo_spec.inference.engine import Engine
+    from nemo_spec.inference.sampling import SamplingError
+
     ref = clone_model(model)
+    poison = tok("numbers 9 9 9").input_ids
+    orig = Engine.check_row
+
+    def check_row(self, r, prompt, *a, **kw):
+        if list(prompt[: len(poison)]) == poison:
+            raise SamplingError(f"prompt {r}: poison row")
+        return orig(self, r, prompt, *a, **kw)
+
+    monkeypatch.setattr(Engine, "check_row", check_row)
     prompts = ["the cat sat on", "we read code ,", "hello world , this"]
-    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=400, scheduler=scheduler,
-                     options={"max_cache_len": 24}) as srv:
+    with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=400, scheduler=scheduler) as srv:
         batcher = srv.manager.get("tiny").batcher
         before = batcher.batches_run
         with ThreadPoolExecutor(4) as ex:
-            bad = ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": "the cat sat on",
-                                                             "max_tokens": 40, "temperature": 0})
+            bad = ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": poison,
+                                                             "max_tokens": 6, "temperature": 0})
             good = [ex.submit(_post, srv, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 6,
                                                               "temperature": 0}) for p in prompts]
             bad, good = bad.result(), [g.result() for g in good]
-        assert bad.status_code == 500 and "cache" in bad.json()["error"]["message"]
+        assert bad.status_code == 500 and "poison row" in bad.json()["error"]["message"]
         for p, g in zip(prompts, good):
             assert g.status_code == 200, g.text
             assert g.json()["choices"][0]["text"] == _greedy_text(ref, tok, p, 6)
@@ -118,6 +129,34 @@ def test_a_step_that_fails_is_resumed_request_by_request(model, tok, monkeypatch
         ids = tok(p).input_ids
         want = generate(ref, [ids], SamplingParams(max_new_tokens=8), options={"ignore_eos": True})[0].tokens
         assert g.json()["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("method,options,extra", [("ar", {}, 1), ("prompt_lookup", {"num_draft_tokens": 4}, 5)])
+def test_a_small_max_cache_len_bounds_the_advertised_context(model, tok, method, options, extra):
+    """``options.max_cache_len`` below the model context used to leave max_model_len at the model's context and
+    fail a longer request inside the engine (500). The served context now is what the cache holds beside one
+    step's drafts: /v1/models says so, a longer request is a 400 context_length_exceeded, one that fits runs."""
+    from nemo_spec.config import ConfigError
+    from nemo_spec.serve import ModelSpec
+    from nemo_spec.serve.models import build_served_model
+
+    fits = 24 - extra
+    with live_server(model, tok, name="tiny", method=method, options={"max_cache_len": 24, **options}) as srv:
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["max_model_len"] == fits
+        ids = tok("the cat sat on").input_ids
+        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": fits - len(ids) + 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        ok = _post(srv, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": fits - len(ids),
+                                            "temperature": 0, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == fits - len(ids), ok.text
+    with pytest.raises(ConfigError, match=f"holds {fits} tokens.*max_context=30"):
+        build_served_model(ModelSpec(name="t", method=method, max_context=30, options={"max_cache_len": 24, **options}),
+                           model=model, tokenizer=tok)
+    with pytest.raises(ConfigError, match="at least 2"):
+        build_served_model(ModelSpec(name="t", method=method, options={"max_cache_len": extra + 1, **options}),
+                           model=model, tokenizer=tok)
+    with pytest.raises(ConfigError, match="max_cache_len must be an int"):
+        ModelSpec(name="t", method=method, options={"max_cache_len": "24"}).validate()
 
 
 # ------------------------------------------------------------------------------------ 2. big inputs

@@ -111,6 +111,33 @@ def _pretune(spec: ModelSpec, models: List[Optional[torch.nn.Module]], step_rows
                  time.perf_counter() - t0)
 
 
+def _fit_cache(spec: ModelSpec, model: torch.nn.Module, draft_model: Optional[torch.nn.Module],
+               max_context: int) -> int:
+    """The context a request may use under ``options.max_cache_len``: the cache also holds one step's drafts
+    (the method's lookahead + 1 positions) past a row's tokens, so a request that fits ``max_context`` always fits
+    the cache and a longer one is refused as context_length_exceeded (400), not failed by the engine (500)."""
+    cap = spec.options.get("max_cache_len")
+    if cap is None:
+        return max_context
+    from nemo_spec.inference.generate import get_engine
+    from nemo_spec.inference.proposers import make_proposer
+    from nemo_spec.inference.sampling import SamplingError
+
+    try:
+        extra = make_proposer(spec.method, model, get_engine(model), draft_model, spec.options).lookahead + 1
+    except SamplingError as e:
+        raise ConfigError(f"serve model {spec.name!r}: {e}") from e
+    fits = int(cap) - extra
+    where = (f"serve model {spec.name!r}: options.max_cache_len={cap} holds {fits} tokens beside the {extra} "
+             f"positions a step of method {spec.method!r} writes past a row")
+    if fits < 2:
+        raise ConfigError(f"{where}; a request needs at least 2 (one prompt token, one generated)")
+    if spec.max_context is not None and spec.max_context > fits:
+        raise ConfigError(f"{where}, fewer than max_context={spec.max_context}; lower max_context or raise "
+                          f"max_cache_len")
+    return min(max_context, fits)
+
+
 def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float = 0.005,
                        metrics: Optional[ServerMetrics] = None, model: Optional[torch.nn.Module] = None,
                        tokenizer: Any = None, draft_model: Optional[torch.nn.Module] = None) -> ServedModel:
@@ -158,6 +185,7 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
     if max_context > limit:
         raise ConfigError(f"serve model {spec.name!r}: max_context={max_context} exceeds the model's "
                           f"max_position_embeddings={limit}")
+    max_context = _fit_cache(spec, model, draft_model, max_context)
     try:
         template = ChatTemplate.for_tokenizer(tokenizer, spec.chat_template)
     except ChatTemplateError as e:

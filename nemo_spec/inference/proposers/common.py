@@ -48,6 +48,9 @@ def check_options(options: Dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(KNOWN_OPTIONS))
     if unknown:
         raise SamplingError(f"unknown generation option(s) {unknown}; known options: {list(KNOWN_OPTIONS)}")
+    cap = options.get("max_cache_len")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 2):
+        raise SamplingError(f"max_cache_len must be an int >= 2 (positions per row's KV cache) or null, got {cap!r}")
 
 
 def set_rows(buf: torch.Tensor, lo: int, hi: int, mask: torch.Tensor, value: torch.Tensor) -> None:
