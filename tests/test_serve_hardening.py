@@ -713,6 +713,41 @@ def test_review_found_requests_get_4xx_or_their_defaults(model, tok):
         assert len(out.choices) == 1 and 1 <= out.usage.completion_tokens <= 2
 
 
+def test_union_fields_bool_ids_top_logprobs_and_row_limits_are_400s(model, tok, monkeypatch):
+    """From a review: a prompt that matched none of its forms was reported as 'prompt.str: Input should be a valid
+    string' (same for stop and message content); JSON booleans were taken as token ids 1/0; top_logprobs without
+    logprobs was accepted and ignored; a completion of thousands of token-id prompts over max_rows_per_request
+    decoded every prompt before it was refused. Now: the field and its accepted forms, 400s, refusal first."""
+    with live_server(model, tok, name="tiny", serve={"max_rows_per_request": 8}) as srv:
+        cases = [({"prompt": [True, False]}, "prompt", "token ids"), ({"prompt": 5}, "prompt", "a list of strings"),
+                 ({"prompt": [[1, 2], "a"]}, "prompt", "token-id lists"),
+                 ({"prompt": "x", "stop": 5}, "stop", "a list of strings")]
+        for body, param, words in cases:
+            r = _post(srv, "/v1/completions", {"model": "tiny", "max_tokens": 2, **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and words in err["message"], (body, r.text)
+            assert ".str" not in err["message"] and ".list" not in err["message"]
+        msg = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": 5}]}
+        r = _post(srv, "/v1/chat/completions", msg)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+        assert "a list of text parts" in r.json()["error"]["message"]
+        chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for extra, words in (({"top_logprobs": 3}, "needs logprobs=true"), ({"top_logprobs": -1}, "top_logprobs")):
+            r = _post(srv, "/v1/chat/completions", {**chat, **extra})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert _post(srv, "/v1/chat/completions", {**chat, "top_logprobs": 0}).status_code == 200
+        decoded = []
+        orig = type(tok).decode
+        monkeypatch.setattr(type(tok), "decode", lambda self, ids, *a, **kw: decoded.append(list(ids)) or
+                            orig(self, ids, *a, **kw))
+        r = _post(srv, "/v1/completions", {"model": "tiny", "max_tokens": 2, "prompt": [[5, 6]] * 3000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences", r.text
+        assert [5, 6] not in decoded  # refused before any prompt was decoded (the worker may still decode output)
+        ok = _post(srv, "/v1/completions", {"model": "tiny", "max_tokens": 2, "prompt": [5, 6], "echo": True,
+                                            "ignore_eos": True, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"].startswith(tok.decode([5, 6]))
+
+
 def test_a_big_body_is_validated_off_the_event_loop(model, tok, monkeypatch):
     """A few MB of JSON take seconds to validate: three 3.5 MB prompts validated on the event loop stalled /health
     for 2.8 s (found by review). A body of BIG_BODY_BYTES or more is now validated in a worker thread (as it was

@@ -121,14 +121,32 @@ async def _read_json_object(request: Request) -> Tuple[Dict[str, Any], bool]:
     return await run_in_threadpool(_decode_json_object, raw), True  # big bodies: parse off the event loop
 
 
+#: a union member's tag in a pydantic error location (``prompt.list[int].0``): a type, not a field
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+_UNION_FORMS = {"str": "a string", "list[str]": "a list of strings", "list[int]": "a list of token ids (integers)",
+                "list[list[int]]": "a list of token-id lists", "list[TextPart]": "a list of text parts"}
+
+
+def _validation_error(e: ValidationError) -> P.APIError:
+    """A 400 naming the offending field. A union field (prompt, stop, content) that matched none of its forms
+    names the field and the forms it accepts, not the first form's complaint under a tag (``prompt.str``)."""
+    errors = e.errors()
+    locs = [tuple(err.get("loc", ())) for err in errors]
+    at = next((i for i, x in enumerate(locs[0]) if isinstance(x, str) and _UNION_TAG.match(x)), None)
+    if len(errors) > 1 and at is not None and all(loc[:at] == locs[0][:at] and len(loc) > at for loc in locs):
+        param = ".".join(str(x) for x in locs[0][:at]) or None
+        forms = list(dict.fromkeys(_UNION_FORMS.get(str(loc[at]), str(loc[at])) for loc in locs))
+        return P.invalid(f"Invalid value for '{param}': expected {', '.join(forms[:-1])} or {forms[-1]}",
+                         param=param, code="invalid_value")
+    param = ".".join(str(x) for x in locs[0]) or None
+    return P.invalid(f"Invalid value for '{param}': {errors[0].get('msg')}", param=param, code="invalid_value")
+
+
 def _validate(cls: Type[T], data: Dict[str, Any]) -> T:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise P.invalid(f"Invalid value for '{param}': {err.get('msg')}", param=param,
-                        code="invalid_value") from e
+        raise _validation_error(e) from e
 
 
 async def parse_body(request: Request, cls: Type[T]) -> T:
@@ -407,10 +425,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         n = req.n
         rows: List[RowSpec] = []  # more rows than max_batch are split over engine batches by the batcher
         refuse_if_shutting_down()
-        if len(prompts) * n > cfg.max_rows_per_request:
-            raise P.invalid(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} sequences exceed this server's "
-                            f"limit of {cfg.max_rows_per_request} per request (max_rows_per_request)", "n",
-                            "too_many_sequences")
+        check_rows(len(prompts), n)
         for p_idx, prompt in enumerate(prompts):
             for j in range(n):
                 seed = None if req.seed is None else req.seed + j
@@ -448,6 +463,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         req.check_supported()
         refuse_if_shutting_down()
         served = manager.get(req.model)
+        check_rows(1, req.n)
         chars = sum(len(m.text()) for m in req.messages)
         check_prompt_chars(chars, "messages")
         prompt = await run_in_threadpool(_chat_prompt, served, req)  # rendering + tokenizing: off the event loop
@@ -475,9 +491,10 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         req.check_supported()
         refuse_if_shutting_down()
         served = manager.get(req.model)
-        prompt_list = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompt_list = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        check_rows(len(prompt_list), req.n)  # before any prompt is tokenized or decoded
         check_prompt_chars(sum(len(p) for p in prompt_list if isinstance(p, str)), "prompt")
-        prompts, texts = await run_in_threadpool(_completion_prompts, served, req.prompt)  # off the event loop
+        prompts, texts = await run_in_threadpool(_completion_prompts, served, prompt_list, req.echo)  # off the loop
         max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS,
                                         "prompt")
         job = submit(served, req, prompts, max_tokens, asyncio.get_running_loop())
@@ -496,17 +513,20 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         resp = P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
         return JSONResponse(resp.model_dump())
 
+    def check_rows(prompts: int, n: int) -> None:
+        if prompts * n > cfg.max_rows_per_request:
+            raise P.invalid(f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed this server's "
+                            f"limit of {cfg.max_rows_per_request} per request (max_rows_per_request)", "n",
+                            "too_many_sequences")
+
     def check_prompt_chars(chars: int, param: str) -> None:
         if chars > cfg.max_prompt_chars:
             raise P.invalid(f"The prompt has {chars} characters, more than this server's limit of "
                             f"{cfg.max_prompt_chars} (max_prompt_chars).", param, "prompt_too_long")
 
-    def _completion_prompts(served: ServedModel, prompt: Any) -> Tuple[List[List[int]], List[str]]:
+    def _completion_prompts(served: ServedModel, prompt: List[Any], echo: bool) -> Tuple[List[List[int]], List[str]]:
+        """Token ids of each prompt (a string or token ids), and its text where ``echo`` needs it."""
         vocab = len(served.tokenizer)
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-            prompt = [prompt]
         ids: List[List[int]] = []
         texts: List[str] = []
         for i, p in enumerate(prompt):
@@ -518,7 +538,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                 if bad:
                     raise P.invalid(f"prompt[{i}] has token ids outside [0, {vocab}): {bad[:5]}", "prompt")
                 ids.append(list(p))
-                texts.append(served.tokenizer.decode(list(p), skip_special_tokens=False))
+                texts.append(served.tokenizer.decode(list(p), skip_special_tokens=False) if echo else "")
         return ids, texts
 
     # ------------------------------------------------------------ admin

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 
@@ -132,7 +132,7 @@ class ChatCompletionRequest(_Request):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[List[Dict[str, Any]]] = None
     response_format: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True  # extension (vLLM-style)
@@ -143,6 +143,9 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         if self.logprobs:
             raise invalid("logprobs is not supported by this server", "logprobs")
+        if self.top_logprobs:  # as OpenAI's API: top_logprobs asks for logprobs=true
+            raise invalid("top_logprobs needs logprobs=true, and logprobs is not supported by this server",
+                          "top_logprobs")
         if self.tools:
             raise invalid("tools are not supported by this server", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -155,7 +158,8 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-PromptType = Union[str, List[str], List[int], List[List[int]]]
+# token ids are strict: JSON true/false are not ids 1/0
+PromptType = Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
 
 
 class CompletionRequest(_Request):
