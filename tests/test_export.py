@@ -430,3 +430,45 @@ def test_exports_are_readable_by_other_users(exported):
         for p in paths:
             want = (0o777 if p.is_dir() else 0o666) & ~mask
             assert os.stat(p).st_mode & 0o777 == want, (p, oct(os.stat(p).st_mode & 0o777))
+
+
+def test_damaged_export_files_are_export_errors_naming_the_file(exported, tmp_path):
+    """From a review: import_draft / verify_export on a truncated safetensors or .pt file, a config.json that is a
+    list, or an export_info.json without its format raised the library's own errors (SafetensorError,
+    UnpicklingError, AttributeError, KeyError), which the CLIs print as tracebacks. Now an ExportError naming
+    the file; the CLI exits 2 with one line."""
+    import shutil
+
+    from nemo_spec.export.cli import verify_main
+    from nemo_spec.export.engines import verify_export
+
+    model, ckpt, exp = exported["eagle3"]
+    draft = exp / "draft"
+
+    def damaged(name, edit):
+        root = tmp_path / name
+        shutil.copytree(exp, root)
+        edit(root)
+        return root
+
+    cut = damaged("cut", lambda r: (r / "draft" / "model.safetensors").write_bytes(
+        (draft / "model.safetensors").read_bytes()[:200]))
+    with pytest.raises(ExportError, match="model.safetensors is damaged"):
+        import_draft(make_model("eagle3"), cut)
+    listed = damaged("listed", lambda r: (r / "draft" / "config.json").write_text("[1, 2]"))
+    with pytest.raises(ExportError, match="config.json.*JSON object"):
+        import_draft(make_model("eagle3"), listed)
+    pt = tmp_path / "pt"
+    shutil.copytree(exported["medusa"][2], pt)
+    (pt / "draft" / "medusa_lm_head.safetensors").unlink()
+    (pt / "draft" / "medusa_lm_head.pt").write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(ExportError, match="medusa_lm_head.pt is damaged"):
+        import_draft(make_model("medusa"), pt)
+    empty = damaged("empty", lambda r: (r / "export_info.json").write_text("{}"))
+    with pytest.raises(ExportError, match="export_info.json.*format"):
+        verify_export(empty, model=model)
+    engines = damaged("engines", lambda r: (r / "export_info.json").write_text(json.dumps(
+        {**json.loads((exp / "export_info.json").read_text()), "engines": ["vllm"]})))
+    with pytest.raises(ExportError, match="export_info.json.*engines"):
+        verify_export(engines, model=model)
+    assert verify_main([str(cut), "--checkpoint", str(ckpt)]) == 2

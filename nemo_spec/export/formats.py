@@ -103,12 +103,16 @@ def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"tensor file {path} does not exist")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(path))
-    obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    if not isinstance(obj, dict):
+            return load_file(str(path))
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # SafetensorError, UnpicklingError, EOFError, RuntimeError (zip): all a bad file
+        raise ExportError(f"{path} is damaged or not a {'safetensors' if path.suffix == '.safetensors' else 'torch'} "
+                          f"tensor file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ExportError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
     return obj
 
@@ -124,9 +128,12 @@ def read_json(path: Path) -> Dict:
     if not path.is_file():
         raise ExportError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ExportError(f"{path} holds a JSON {type(obj).__name__}, not the JSON object expected")
+    return obj
 
 
 def check_export_dir(path: Path, overwrite: bool) -> None:

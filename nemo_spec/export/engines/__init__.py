@@ -136,7 +136,14 @@ def verify_export(export_dir: Union[str, os.PathLike], checkpoint: Optional[Unio
 
     root = Path(export_dir)
     info = read_json(root / "export_info.json")
-    fmt = info["format"]
+    fmt = info.get("format")
+    if not isinstance(fmt, str) or not fmt:
+        raise ExportError(f"{root / 'export_info.json'} names no export format ('format'); is {root} an export "
+                          f"written by nemo_spec?")
+    eng = info.get("engines")
+    if eng is not None and not (isinstance(eng, dict) and all(isinstance(v, dict) for v in eng.values())):
+        raise ExportError(f"{root / 'export_info.json'}: 'engines' must map engine names to their entries, got "
+                          f"{eng!r:.80}")
     if model is None:
         if checkpoint is None:
             raise ExportError("verify_export needs the checkpoint (or the model) the export came from")
