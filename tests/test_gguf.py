@@ -376,3 +376,18 @@ def test_training_benchmark_smollm2_preset_is_smollm2s_shape():
     ref = smollm2_config()
     assert cfg.to_dict() == ref.to_dict()
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.vocab_size) == (30, 576, 3, 49152)
+
+
+@pytest.mark.parametrize("key,value,words", [("attention.head_count", 0, "head_count=0 must be a whole number >= 1"),
+                                             ("block_count", -2, "block_count=-2 must be"),
+                                             ("feed_forward_length", "big", "feed_forward_length='big' is not an int"),
+                                             ("embedding_length", 66, "not a multiple of"),
+                                             ("attention.head_count_kv", 1.5, "head_count_kv=1.5 must be")])
+def test_bad_shape_metadata_is_a_gguf_error(key, value, words):
+    """From a review: head_count 0 raised ZeroDivisionError; other zero/negative/non-integer counts reached the
+    model config or megatron. Each now names the metadata key and value."""
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.vocab_size": 100}
+    G.gguf_hf_config(meta, ["token_embd.weight"], "m.gguf")  # the good file converts
+    with pytest.raises(G.GGUFError, match=r"m.gguf: .*" + words):
+        G.gguf_hf_config({**meta, f"llama.{key}": value}, ["token_embd.weight"], "m.gguf")

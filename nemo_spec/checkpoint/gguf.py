@@ -152,14 +152,27 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
             raise GGUFError(f"{source}: required metadata key {full!r} is missing")
         return default
 
+    def count(key: str, default: Any = None, required: bool = False) -> int:
+        v = get(key, default, required)
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise GGUFError(f"{source}: metadata {arch}.{key}={v!r} is not an integer") from None
+        if n < 1 or n != v:
+            raise GGUFError(f"{source}: metadata {arch}.{key}={v!r} must be a whole number >= 1")
+        return n
+
     names = set(tensor_names)
     if "rope_freqs.weight" in names:
         raise GGUFError(f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 style "
                         f"scaling) is not supported")
-    hidden = int(get("embedding_length", required=True))
-    heads = int(get("attention.head_count", required=True))
-    head_dim = int(get("attention.key_length", 0) or hidden // heads)
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    hidden = count("embedding_length", required=True)
+    heads = count("attention.head_count", required=True)
+    head_dim = count("attention.key_length") if get("attention.key_length") else hidden // heads
+    if hidden % heads and not get("attention.key_length"):
+        raise GGUFError(f"{source}: {arch}.embedding_length={hidden} is not a multiple of "
+                        f"{arch}.attention.head_count={heads} (and no {arch}.attention.key_length gives the head dim)")
+    if count("attention.value_length", head_dim) != head_dim:
         raise GGUFError(f"{source}: {arch}.attention.value_length != key_length is not supported")
     rot = get("rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
@@ -174,10 +187,10 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
         vocab = len(tokens) if tokens else None
     cfg: Dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
-        "hidden_size": hidden, "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "intermediate_size": int(get("feed_forward_length", required=True)),
-        "max_position_embeddings": int(get("context_length", 2048)),
+        "hidden_size": hidden, "num_hidden_layers": count("block_count", required=True),
+        "num_attention_heads": heads, "num_key_value_heads": count("attention.head_count_kv", heads),
+        "head_dim": head_dim, "intermediate_size": count("feed_forward_length", required=True),
+        "max_position_embeddings": count("context_length", 2048),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names, "vocab_size": int(vocab) if vocab is not None else None,
