@@ -391,3 +391,19 @@ def test_a_model_field_of_the_wrong_kind_is_a_config_error_naming_it(tmp_path, f
     path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointConfigError, match=field):
         load_model(ck)
+
+
+@pytest.mark.parametrize("value", ["int8", None, 16])
+def test_an_unknown_params_dtype_is_a_config_error(llama_ckpt, tmp_path, value):
+    """params_dtype 'int8' (or null, or a number) in nemo_spec_config.json loaded silently as fp32 (found by
+    review); now refused naming the field, even when the caller asks for a dtype."""
+    path, _ = llama_ckpt
+    ck = tmp_path / "ck"
+    shutil.copytree(path, ck)
+    cfg = json.loads((ck / "nemo_spec_config.json").read_text())
+    assert cfg["params_dtype"] == "float32"
+    cfg["params_dtype"] = value
+    (ck / "nemo_spec_config.json").write_text(json.dumps(cfg))
+    for dtype in (None, torch.float32):
+        with pytest.raises(CheckpointConfigError, match=r"nemo_spec_config.json: field 'params_dtype' must be one"):
+            load_model(ck, dtype=dtype)

@@ -569,8 +569,11 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], bas
     spec = None if base_only else speculative_config_from(cfg_dict, cfg, source)
     tp, ep = _target_tp(tp_size), _target_ep(ep_size)
     check_tp(cfg, tp, source, ep)
+    saved = cfg_dict.get("params_dtype", "float32")
+    if saved not in _DTYPES:  # checked even when dtype= overrides it: a damaged config is not loaded silently
+        raise CheckpointConfigError(f"{source}: field 'params_dtype' must be one of {sorted(_DTYPES)}, got {saved!r}")
     if dtype is None:
-        dtype = _DTYPES.get(str(cfg_dict.get("params_dtype", "float32")), torch.float32)
+        dtype = _DTYPES[saved]
     _ensure_parallel(tp, ep)
     module = build_for_checkpoint(cfg, spec, dtype, source)
     load_dist_into(module, p, source)
