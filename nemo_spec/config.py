@@ -17,6 +17,63 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+_KIND_NAMES = {int: "an int", float: "a number", bool: "true or false", str: "a string", list: "a list",
+               dict: "a mapping"}
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against the type ``hint`` (int, float, bool, str, Optional/Union, List[X], Dict; others
+    pass); an int given for a float becomes a float. Raises ConfigError naming ``where``."""
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or (origin is None and hint not in _KIND_NAMES):
+        return value
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _typed(value, a, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{where} must be {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    base = origin or hint
+    ok = (isinstance(value, base) and not (isinstance(value, bool) and base in (int, float))) or \
+        (base is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+    if base is float:
+        return float(value)
+    if base is list and args:
+        return [_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _describe(hint: Any) -> str:
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin is list and args:
+        return f"a list of {_describe(args[0]).split(' ', 1)[-1]}s"
+    return _KIND_NAMES.get(origin or hint, str(hint))
+
+
+def check_field_types(obj: Any, where: str) -> None:
+    """Check (and coerce int -> float) every field of dataclass ``obj`` against its annotation; the error names
+    ``where``.field. Values from YAML / Hydra overrides arrive untyped: ``trainer.max_steps=ten`` is a string."""
+    import typing
+
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name in hints and not dataclasses.is_dataclass(getattr(obj, f.name)):
+            setattr(obj, f.name, _typed(getattr(obj, f.name), hints[f.name], f"{where}.{f.name}" if where else f.name))
+
+
 def dataclass_from_dict(cls: type, d: Dict[str, Any], source: str = "<dict>") -> Any:
     """Build dataclass ``cls`` from a (deep-copied) dict; unknown or ill-typed fields -> ConfigError naming ``source``."""
     known = {f.name for f in dataclasses.fields(cls)}

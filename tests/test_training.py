@@ -243,6 +243,42 @@ def test_resume_is_exact(base, tmp_path, monkeypatch, algorithm):
     assert loops[0] == loops[1]
 
 
+def test_resume_refuses_other_settings_and_keeps_earlier_metrics(base, tmp_path):
+    """From a review: resume=auto continued whatever run had used the run_dir (another base, other data: 0 steps,
+    then a `final/` of the new base with the old draft), a changed optim.lr was silently replaced by the
+    checkpoint's while config.json showed the new one, and each resume deleted csv/metrics.csv. Now a checkpoint
+    records the settings a resume must share and a mismatch is refused before anything is written; steps may grow;
+    the earlier metrics are kept."""
+    model_path, data = base
+
+    def cfg(steps, **change):
+        c = small_train_config(tmp_path / "run", "eagle3", steps=steps, ckpt_every_n_steps=2)
+        c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
+        for k, v in change.items():
+            section, _, field = k.partition("__")
+            setattr(getattr(c, section), field, v)
+        return c
+
+    train(cfg(2), save_final=False)
+    saved = (tmp_path / "run" / "config.json").read_text()
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(data).read_text())
+    for change, words in (({"optim__lr": 1e-2}, r"optim.lr: 0.003 in the checkpoint, 0.01 now"),
+                          ({"data__path": str(other)}, r"data.path: .*other.jsonl' now"),
+                          ({"spec__ttt_steps": 3}, r"spec.ttt_steps: 2 in the checkpoint, 3 now")):
+        with pytest.raises(ConfigError, match=words):
+            train(cfg(4, **change), save_final=False)
+        assert (tmp_path / "run" / "config.json").read_text() == saved  # nothing written
+    res = train(cfg(4), save_final=False)  # more steps, same settings: resumes
+    assert res.trainer.global_step == 4
+    csv_dir = tmp_path / "run" / "csv"
+    steps = lambda f: [int(r["step"]) for r in csv.DictReader(open(f)) if r.get("train_loss")]  # noqa: E731
+    assert steps(csv_dir / "metrics.1.csv") == [0, 1] and steps(csv_dir / "metrics.csv") == [2, 3]
+    fresh = cfg(2, optim__lr=1e-2)
+    fresh.resume = None  # a fresh start in the same run_dir is allowed
+    assert train(fresh, save_final=False).trainer.global_step == 2
+
+
 def _with_stop(trainer, step):
     trainer.callbacks.append(_StopAt(step))
     return trainer
@@ -395,6 +431,33 @@ def test_hydra_compose_maps_onto_typed_config():
         compose(["model_path=/m", "data.path=/d", "trainer.batch=3"])
     with pytest.raises(ConfigError, match="missing required setting: model_path"):
         typed_config(compose(["data.path=/d"]))
+
+
+@pytest.mark.parametrize("override,words", [
+    ("trainer.max_steps=ten", "trainer.max_steps must be an int, got 'ten'"),
+    ("trainer.train_bs=2.5", "trainer.train_bs must be an int, got 2.5"),
+    ("trainer.global_batch_size=0", "trainer.global_batch_size must be >= 1"),
+    ("optim.lr=abc", "optim.lr must be a number, got 'abc'"), ("optim.betas=[0.9,2.0]", "optim.betas must be two"),
+    ("optim.eps=-1", "optim.eps must be > 0"), ("optim.weight_decay=-1", "optim.weight_decay must be >= 0"),
+    ("data.max_seq_len=abc", "data.max_seq_len must be an int"), ("data.max_samples=0", "data.max_samples must be >= 1"),
+    ("data.strict=maybe", "data.strict must be true or false"), ("train_base=no", "train_base must be true or false"),
+    ("loss.decay=abc", "loss.decay must be a number"), ("resume=3", "resume must be a string"),
+    ("spec.aux_layers=[0,x]", r"spec.aux_layers\[1\] must be an int"), ("data.path=5", "data.path must be a string")])
+def test_ill_typed_or_out_of_range_overrides_are_config_errors(override, words):
+    """From a review: Hydra overrides arrive untyped, so `trainer.max_steps=ten` or `optim.lr=abc` failed deep
+    inside (TypeError on '<'), `global_batch_size=0` divided by zero, `train_base=no` (a truthy string) trained the
+    whole base, `data.max_samples=-3` dropped records. Each is now a ConfigError naming the field."""
+    from nemo_spec.training.cli import compose, typed_config
+
+    with pytest.raises(ConfigError, match=words):
+        typed_config(compose(["model_path=/m", "data.path=/d", override]))
+
+
+def test_resume_false_starts_fresh_and_ints_are_taken_for_floats():
+    from nemo_spec.training.cli import compose, typed_config
+
+    tc, _ = typed_config(compose(["model_path=/m", "data.path=/d", "resume=false", "optim.lr=1", "optim.min_lr=0"]))
+    assert tc.resume is None and tc.optim.lr == 1.0 and isinstance(tc.optim.lr, float)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from nemo_spec.config import ConfigError
 from nemo_spec.data.chat import Encoded, apply_chat_template, encode_chat, encode_text, record_messages
 from nemo_spec.data.formats import EmptyDatasetError, ReadStats, read_conversations
 
@@ -34,15 +35,20 @@ class DataConfig:
     offline_dir: Optional[str] = None  # precomputed base outputs (offline mode)
 
     def validate(self) -> "DataConfig":
-        """Raise ValueError naming the first invalid field; returns self."""
+        """Raise ConfigError (a ValueError) naming the first invalid field; returns self."""
         if not self.path and not self.offline_dir:
-            raise ValueError("data.path is required (a file or directory of training data)")
+            raise ConfigError("data.path is required (a file or directory of training data)")
         if self.max_seq_len < 4:
-            raise ValueError(f"data.max_seq_len must be >= 4, got {self.max_seq_len}")
+            raise ConfigError(f"data.max_seq_len must be >= 4, got {self.max_seq_len}")
         if self.loss_on not in ("assistant", "all"):
-            raise ValueError(f"data.loss_on must be 'assistant' or 'all', got {self.loss_on!r}")
+            raise ConfigError(f"data.loss_on must be 'assistant' or 'all', got {self.loss_on!r}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"data.max_samples must be >= 1 or null (all records), got {self.max_samples}")
+        for name in ("val_max_samples", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name} must be >= 0, got {getattr(self, name)}")
         return self
 
 
@@ -205,7 +211,7 @@ class SpecDataModule(pl.LightningDataModule):
         records = self._records
         if records is None:
             records = read_conversations(self.cfg.path, self.cfg.format, strict=self.cfg.strict, stats=self.stats.read)
-        if self.cfg.max_samples:
+        if self.cfg.max_samples is not None:
             records = records[: self.cfg.max_samples]
         tr_idx, va_idx = split_indices(len(records), self.cfg.val_fraction, self.cfg.val_max_samples, self.cfg.seed)
         if len(records) == 1 and records[0]["turns"] == [] and self.cfg.val_fraction > 0:

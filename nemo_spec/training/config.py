@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from nemo_spec.config import ConfigError, SpeculativeConfig
+from nemo_spec.config import ConfigError, SpeculativeConfig, check_field_types
 from nemo_spec.data.datamodule import DataConfig
 
 
@@ -31,8 +31,12 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
             raise ConfigError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
-        if len(self.betas) != 2:
-            raise ConfigError(f"optim.betas must have 2 values, got {self.betas}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         return self
 
 
@@ -42,6 +46,14 @@ class LossConfig:
 
     decay: float = 0.8  # EAGLE-3 step / Medusa head weight decay^i
     eagle1_ce_weight: float = 0.1
+
+    def validate(self) -> "LossConfig":
+        """Raise ConfigError naming the first invalid field."""
+        if not 0 < self.decay <= 1:
+            raise ConfigError(f"loss.decay must be in (0, 1], got {self.decay}")
+        if self.eagle1_ce_weight < 0:
+            raise ConfigError(f"loss.eagle1_ce_weight must be >= 0, got {self.eagle1_ce_weight}")
+        return self
 
 
 @dataclass
@@ -84,6 +96,14 @@ class TrainerConfig:
             raise ConfigError(f"trainer.max_time_s must be a number of seconds > 0 or null, got {self.max_time_s!r}")
         if self.max_steps < 1 and self.max_epochs < 1:
             raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive value")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"trainer.global_batch_size must be >= 1 or null, got {self.global_batch_size}")
+        for name in ("val_check_interval", "limit_val_batches", "ckpt_every_n_steps", "acceptance_prompts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("log_every_n_steps", "acceptance_depth", "acceptance_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         return self
 
     def accumulation(self, dp_size: int) -> int:
@@ -123,6 +143,7 @@ class TrainConfig:
                               "is not supported: expert gradients would need the expert-data-parallel reduction "
                               "(draft training at EP > 1 is; the base is frozen)")
         self.optim.validate()
+        self.loss.validate()
         self.data.validate()
         if self.offline and not self.data.offline_dir:
             raise ConfigError("offline=true needs data.offline_dir (made by nemo_spec.training.offline.precompute)")
@@ -137,8 +158,14 @@ def _build(cls: type, d: Dict[str, Any], where: str) -> Any:
     kw = {}
     for k, v in d.items():
         sub = _SECTIONS.get((cls, k))
+        if sub is not None and v is not None and not isinstance(v, dict):
+            raise ConfigError(f"{where}.{k} must be a mapping of {sub.__name__} fields, got {v!r}")
         kw[k] = _build(sub, v or {}, f"{where}.{k}") if sub is not None else v
-    return cls(**kw)
+    if cls is TrainConfig and kw.get("resume") is False:
+        kw["resume"] = None  # resume=false: the natural way to say "start fresh"
+    obj = cls(**kw)
+    check_field_types(obj, where[len("train."):] if where.startswith("train.") else "")
+    return obj
 
 
 _SECTIONS = {(TrainConfig, "spec"): SpeculativeConfig, (TrainConfig, "loss"): LossConfig,

@@ -258,8 +258,10 @@ class SpeculativeLightningModule(pl.LightningModule):
         o = self.optim
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        # max_steps < 1 (trainer.max_epochs bounds the run): decay over the steps Lightning computes for the epochs
+        total = self.max_steps if self.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: warmup_cosine(step, o.warmup_steps, self.max_steps, o.lr, o.min_lr) / o.lr)
+            opt, lambda step: warmup_cosine(step, o.warmup_steps, total, o.lr, o.min_lr) / o.lr)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Optional[float] = None,

@@ -150,6 +150,61 @@ def resolve_resume(cfg: TrainConfig, ckpt_dir: Path) -> Optional[str]:
     return cfg.resume
 
 
+#: data / trainer fields a resumed run must share with its checkpoint (the rest may change: steps, logging, ...)
+_RESUME_DATA = ("path", "format", "max_seq_len", "loss_on", "system_prompt", "val_fraction", "val_max_samples", "seed",
+                "max_samples", "offline_dir")
+
+
+def _abs(path: Any) -> Any:
+    if isinstance(path, (list, tuple)):
+        return [_abs(p) for p in path]
+    return str(Path(path).expanduser().resolve()) if isinstance(path, str) and path else path
+
+
+def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
+    """What a run resumed from a training checkpoint must share with the run that wrote it, as ``section.field``
+    -> value: the base, the data and its split, the draft, the loss and the optimiser, the global batch (samples
+    per optimizer step; its split into micro-batches, TP and DP may change) and the seed. Steps, epochs, time,
+    validation, logging and checkpoint cadence may change too."""
+    d = train_config_to_dict(cfg)
+    out: Dict[str, Any] = {"model_path": _abs(cfg.model_path), "train_base": cfg.train_base, "offline": cfg.offline}
+    for sec in (("loss", "optim") if cfg.train_base else ("spec", "loss", "optim")):
+        out.update({f"{sec}.{k}": v for k, v in d[sec].items()})
+    out.update({f"data.{k}": _abs(d["data"][k]) if k in ("path", "offline_dir") else d["data"][k] for k in _RESUME_DATA})
+    out.update({"trainer.seed": cfg.trainer.seed, "global batch (samples per optimizer step)": int(global_batch)})
+    return json.loads(json.dumps(out))
+
+
+def check_resume_settings(resume: str, cfg: TrainConfig, global_batch: int) -> None:
+    """Refuse to resume ``resume`` with settings other than those it was trained with (a checkpoint from before
+    they were recorded passes): resume=auto would otherwise continue another run's draft in a shared run_dir, and
+    the optimiser would keep the checkpoint's lr while config.json shows the new one."""
+    from nemo_spec.training.strategy import read_train_checkpoint_meta
+
+    saved = read_train_checkpoint_meta(Path(resume).resolve()).get("run_settings")
+    if not isinstance(saved, dict):
+        return
+    now = resume_settings(cfg, global_batch)
+    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diff:
+        shown = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in diff[:4])
+        raise ConfigError(f"resume={resume}: this run's settings differ from the checkpoint's ({shown}"
+                          f"{'; ...' if len(diff) > 4 else ''}). Resume with the same settings, or start a new run: "
+                          f"another run_dir, or resume=null to train from scratch in this one")
+
+
+def _keep_earlier_metrics(run_dir: Path) -> None:
+    """Lightning's CSVLogger deletes an existing csv/metrics.csv; a resumed run keeps it as metrics.<k>.csv."""
+    old = run_dir / "csv" / "metrics.csv"
+    if not old.is_file():
+        return
+    k = 1
+    while (old.parent / f"metrics.{k}.csv").exists():
+        k += 1
+    os.replace(old, old.parent / f"metrics.{k}.csv")
+    log.info("resuming: the earlier rows of %s are kept in %s", old, old.parent / f"metrics.{k}.csv")
+
+
 def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module]] = None, tokenizer: Any = None,
           records: Optional[List[Dict[str, Any]]] = None, datamodule: Optional[pl.LightningDataModule] = None,
           yaml_text: Optional[str] = None, save_final: bool = True) -> TrainResult:
@@ -165,13 +220,17 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
         raise FileNotFoundError(f"model_path={cfg.model_path} does not exist")
     run_dir = Path(cfg.run_dir)
     ckpt_dir = run_dir / "checkpoints"
-    save_resolved_config(cfg, run_dir, yaml_text)
     dp = planned_dp_size(t.tensor_parallel_size, t.expert_parallel_size)
+    accumulate = t.accumulation(dp)
+    global_batch = t.train_bs * dp * accumulate
+    resume = resolve_resume(cfg, ckpt_dir)
+    if resume is not None:  # before anything is written into the run directory
+        check_resume_settings(resume, cfg, global_batch)
+    save_resolved_config(cfg, run_dir, yaml_text)
     from nemo_spec import parallel
 
     parallel.initialize(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed,
                         expert_parallel_size=t.expert_parallel_size)  # the strategy reuses it
-    accumulate = t.accumulation(dp)
     pl.seed_everything(t.seed, workers=True, verbose=False)
 
     tok_dir = None
@@ -228,8 +287,10 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
         tau_cb = AcceptanceLengthCallback(lambda: datamodule.val_prompts(t.acceptance_prompts),
                                           depth=t.acceptance_depth, max_new_tokens=t.acceptance_new_tokens)
         callbacks.append(tau_cb)
+    if resume is not None and parallel.is_rank_zero() and int(os.environ.get("RANK", "0")) == 0:
+        _keep_earlier_metrics(run_dir)
     trainer = build_trainer(t, run_dir, accumulate, callbacks, checkpoint_dir=ckpt_dir)
-    resume = resolve_resume(cfg, ckpt_dir)
+    trainer.strategy.run_settings = resume_settings(cfg, global_batch)
     log.info("training: dp=%d tp=%d ep=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
              dp, t.tensor_parallel_size, t.expert_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
     with warnings.catch_warnings():

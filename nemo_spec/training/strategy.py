@@ -74,6 +74,7 @@ class MegatronStrategy(SingleDeviceStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self.expert_parallel_size = expert_parallel_size
         self.seed = seed
+        self.run_settings: Optional[Dict[str, Any]] = None  # recorded in each checkpoint's nemo_spec_train.json
         if accelerator_kind == "gpu":
             if not torch.cuda.is_available():
                 raise RuntimeError("trainer.accelerator=gpu but CUDA is not available (use trainer=cpu)")
@@ -227,6 +228,8 @@ class MegatronStrategy(SingleDeviceStrategy):
                         "expert_parallel_size": parallel.ep_size(),
                         "data_parallel_size": dp_rank_size()[1], "global_step": checkpoint.get("global_step"),
                         "epoch": checkpoint.get("epoch"), "trainable_keys": sorted(params)}
+                if self.run_settings is not None:  # what a resumed run must share (run.check_resume_settings)
+                    meta["run_settings"] = self.run_settings
                 (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last file: marks the save complete
         except BaseException as e:  # noqa: BLE001
             err = e
