@@ -279,6 +279,18 @@ def test_resume_refuses_other_settings_and_keeps_earlier_metrics(base, tmp_path)
     assert train(fresh, save_final=False).trainer.global_step == 2
 
 
+def test_lr_decays_over_max_epochs_when_max_steps_is_unset(base, tmp_path):
+    """trainer.max_steps=-1 with max_epochs: the cosine schedule's end was -1, so the LR stayed at its peak after
+    warm-up (found by review); it now decays over the steps Lightning computes for the epochs."""
+    model_path, data = base
+    c = small_train_config(tmp_path / "ep", "eagle3", steps=-1, max_epochs=1)
+    c.model_path, c.data.path = str(model_path), str(data)
+    res = train(c, save_final=False)
+    lrs = _metric(tmp_path / "ep", "lr")
+    assert len(lrs) == res.trainer.global_step > 4
+    assert max(lrs) == pytest.approx(c.optim.lr) and lrs[-1] < 0.2 * c.optim.lr and lrs[-1] >= c.optim.min_lr
+
+
 def _with_stop(trainer, step):
     trainer.callbacks.append(_StopAt(step))
     return trainer
