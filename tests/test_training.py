@@ -1,6 +1,7 @@
 """Training: model_transform before the optimizer, each algorithm learns (loss falls, tau rises), exact resume,
 global batch via accumulation, schedule, checkpoints, offline mode, Hydra config, script end to end."""
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -426,6 +427,17 @@ def test_offline_precompute_matches_online_and_trains(base, tmp_path):
     train(cfg, save_final=False)
     losses = _metric(cfg.run_dir, "train_loss")
     assert read_index(tmp_path / "off2")["num_samples"] == 120 and losses[-1] < losses[0]
+    # stored states are only used by the model and data that made them (found by review: other aux layers trained
+    # silently on the stored layers' states; other data / max_seq_len reused the stale states)
+    from nemo_spec.training.offline import OfflineDataError
+
+    again = lambda **kw: dataclasses.replace(cfg, run_dir=str(tmp_path / "run2"), **kw)  # noqa: E731
+    with pytest.raises(OfflineDataError, match=r"off2/index.json: the stored base states were made from other data.*"
+                                               r"data.max_seq_len: 48 there, 32 now"):
+        train(again(data=dataclasses.replace(cfg.data, max_seq_len=32)), save_final=False)
+    with pytest.raises(OfflineDataError, match=r"made for another model \(aux_layers=\[\d+, \d+, \d+\] there, "
+                                               r"\[0, 0, 0\] in this model"):
+        train(again(spec=dataclasses.replace(cfg.spec, aux_layers=[0, 0, 0])), save_final=False)
 
 
 # ---- Hydra + script -------------------------------------------------------------------------------------------------

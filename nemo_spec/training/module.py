@@ -288,6 +288,15 @@ class SpeculativeLightningModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("data_position")
 
+    def on_fit_start(self) -> None:
+        """Offline training: the stored base states must come from this model (training.offline.check_model)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        full = getattr(dm, "full", None)
+        if full is not None and hasattr(full, "index") and hasattr(self.model, "base_forward"):
+            from nemo_spec.training.offline import check_model
+
+            check_model(full.index, self.model, full.dir)
+
     def on_train_start(self) -> None:
         """Mid-epoch resume: position the sampler here, as Lightning >= 2.5 does not call on_train_epoch_start for
         the restarted epoch (lightning 2.6.6 loops/fit_loop.py:447-452)."""

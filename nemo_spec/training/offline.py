@@ -45,8 +45,9 @@ def _save_shard(tensors: Dict[str, torch.Tensor], path: Path) -> None:
 
 @torch.no_grad()
 def precompute(model: torch.nn.Module, samples: Sequence[Any], out_dir: str | os.PathLike, shard_size: int = 256,
-               dtype: torch.dtype = torch.float32, batch_size: int = 8) -> Path:
+               dtype: torch.dtype = torch.float32, batch_size: int = 8, source: Optional[Dict[str, Any]] = None) -> Path:
     """Run the frozen base of ``model`` (a SpeculativeGPT) over tokenised ``samples``; write shards + index.json.
+    ``source`` (JSON): what the states were made from (base, data settings), checked by :func:`check_source`.
 
     Under torchrun every rank must call it (TP ranks compute together); DP ranks split the samples and the
     TP-rank-0 process of each DP rank writes its own shards; global rank 0 writes the index after a barrier.
@@ -103,7 +104,7 @@ def precompute(model: torch.nn.Module, samples: Sequence[Any], out_dir: str | os
         index = {"format": OFFLINE_FORMAT, "num_samples": sum(sh["count"] for sh in flat), "shards": flat,
                  "algorithm": getattr(model, "algorithm", None), "aux_layers": list(getattr(model, "aux_layers", [])),
                  "hidden_size": int(model.model_config.hidden_size), "vocab_size": int(model.model_config.vocab_size),
-                 "dtype": str(dtype).replace("torch.", "")}
+                 "dtype": str(dtype).replace("torch.", ""), "source": source}
         tmp = out / ".index.json.tmp"
         tmp.write_text(json.dumps(index, indent=2))
         os.replace(tmp, out / "index.json")
@@ -124,6 +125,35 @@ def read_index(offline_dir: str | os.PathLike) -> Dict[str, Any]:
     if not index["num_samples"]:
         raise EmptyDatasetError(f"{p}: no samples")
     return index
+
+
+def check_model(index: Dict[str, Any], model: torch.nn.Module, offline_dir: str | os.PathLike) -> None:
+    """Refuse stored states another model made: its algorithm, aux layers, hidden size or vocabulary differ from
+    ``model``'s (a SpeculativeGPT), which would train on the wrong layers' states or fail deep inside a matmul."""
+    cfg = model.model_config
+    now = {"algorithm": getattr(model, "algorithm", None), "aux_layers": list(getattr(model, "aux_layers", [])),
+           "hidden_size": int(cfg.hidden_size), "vocab_size": int(cfg.vocab_size)}
+    diff = [f"{k}={index.get(k)!r} there, {v!r} in this model" for k, v in now.items()
+            if k in index and index[k] != v]
+    if diff:
+        raise OfflineDataError(f"{Path(offline_dir) / 'index.json'}: the stored base states were made for another "
+                               f"model ({'; '.join(diff)}); precompute them again for this one (delete the directory "
+                               f"or set data.offline_dir elsewhere)")
+
+
+def check_source(index: Dict[str, Any], source: Dict[str, Any], offline_dir: str | os.PathLike) -> None:
+    """Refuse stored states made from other data or another base than ``source`` says (an index from before
+    sources were recorded passes)."""
+    saved = index.get("source")
+    if not isinstance(saved, dict):
+        return
+    now = json.loads(json.dumps(source))
+    diff = [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    if diff:
+        raise OfflineDataError(f"{Path(offline_dir) / 'index.json'}: the stored base states were made from other "
+                               f"data or another base ({'; '.join(diff[:4])}); delete the directory to precompute "
+                               f"them again, or set data.offline_dir elsewhere")
 
 
 class OfflineDataset(Dataset):

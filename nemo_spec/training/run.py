@@ -155,6 +155,10 @@ _RESUME_DATA = ("path", "format", "max_seq_len", "loss_on", "system_prompt", "va
                 "max_samples", "offline_dir")
 
 
+#: data fields the stored states of an offline directory depend on (its own split is made when training)
+_OFFLINE_DATA = ("path", "format", "max_seq_len", "loss_on", "system_prompt", "max_samples", "strict")
+
+
 def _abs(path: Any) -> Any:
     if isinstance(path, (list, tuple)):
         return [_abs(p) for p in path]
@@ -247,6 +251,13 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     elif cfg.tokenizer_path:
         tok_dir = cfg.tokenizer_path
     need_precompute = cfg.offline and not (Path(cfg.data.offline_dir) / "index.json").exists()
+    offline_source = {"model_path": _abs(cfg.model_path),
+                      **{f"data.{k}": _abs(getattr(cfg.data, k)) if k == "path" else getattr(cfg.data, k)
+                         for k in _OFFLINE_DATA}}
+    if cfg.offline and not need_precompute:
+        from nemo_spec.training.offline import check_source, read_index
+
+        check_source(read_index(cfg.data.offline_dir), offline_source, cfg.data.offline_dir)
     if need_precompute and not (cfg.data.path or records):
         raise ConfigError(f"offline=true: {cfg.data.offline_dir}/index.json does not exist and data.path is not set "
                           "to precompute it from")
@@ -280,7 +291,8 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
 
         online_dm.setup()
         module.configure_model()
-        precompute(module.model, online_dm.train_set.samples + online_dm.val_set.samples, cfg.data.offline_dir)
+        precompute(module.model, online_dm.train_set.samples + online_dm.val_set.samples, cfg.data.offline_dir,
+                   source=offline_source)
     callbacks: List[pl.Callback] = []
     tau_cb = None
     if t.acceptance_prompts > 0 and hasattr(datamodule, "val_prompts") and transform is not None:
