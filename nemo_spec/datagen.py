@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,12 @@ class DatagenConfig:
             raise DatagenError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.limit is not None and self.limit < 1:
             raise DatagenError(f"limit must be >= 1 or None, got {self.limit}")
-        if Path(self.output).resolve() == Path(self.input).resolve():
+        out, inp = Path(self.output).resolve(), Path(self.input).resolve()
+        if out == inp:
             raise DatagenError(f"output {self.output} must differ from the input")
+        if inp.is_dir() and inp in out.parents:
+            raise DatagenError(f"output {self.output} is inside the input directory {self.input}: a rerun would read "
+                               f"its own output (and its .config.json) as input; write it elsewhere")
         return self
 
     def public_dict(self) -> Dict[str, Any]:
@@ -162,15 +167,13 @@ def _records(cfg: DatagenConfig) -> List[Dict[str, Any]]:
 
 def generate_data(cfg: DatagenConfig, client: Any = None) -> DatagenStats:
     """Regenerate the dataset ``cfg.input`` into ``cfg.output`` (resumable); returns run statistics."""
-    from nemo_spec.data import to_daring_anteater
 
     cfg.validate()
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = finished_ids(out)
     records = _records(cfg)
-    ids = [str(r["id"]) for r in records]
-    dup = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    dup = sorted(i for i, n in Counter(str(r["id"]) for r in records).items() if n > 1)
     if dup:
         raise DatagenError(f"{cfg.input}: duplicate record ids {dup[:5]}; ids must be unique to resume")
     stats = DatagenStats(total=len(records))
@@ -196,28 +199,46 @@ def generate_data(cfg: DatagenConfig, client: Any = None) -> DatagenStats:
                 pending[ex.submit(regenerate, client, rec, cfg)] = str(rec["id"])
 
         fill()
-        while pending:
-            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                rid = pending.pop(fut)
-                try:
-                    rec, n_req, n_tok = fut.result()
-                except Exception as e:  # one bad conversation must not stop the run; it is retried on resume
-                    stats.failed += 1
-                    stats.failures.append(f"{rid}: {type(e).__name__}: {e}")
-                    log.warning("record %s failed: %s", rid, e)
-                    bar.update(1)
-                    continue
-                line = json.dumps(to_daring_anteater(rec), ensure_ascii=False)
-                with lock:
-                    f.write(line + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                stats.written += 1
-                stats.requests += n_req
-                stats.completion_tokens += n_tok
-                bar.update(1)
-            fill()
+        try:
+            _drain(pending, fill, f, lock, stats, bar)
+        except KeyboardInterrupt:
+            # queued conversations must not start, and the running ones' requests end with the client; what was
+            # written stays (one complete line per record), a rerun resumes after it
+            ex.shutdown(wait=False, cancel_futures=True)
+            close = getattr(client, "close", None)
+            if callable(close):
+                close()
+            log.warning("generate_data: interrupted after writing %d record(s) to %s; run the same command again "
+                        "to resume", stats.written, out)
+            raise
     log.info("generate_data: wrote %d, skipped %d, failed %d (%d requests, %d completion tokens) -> %s",
              stats.written, stats.skipped_existing, stats.failed, stats.requests, stats.completion_tokens, out)
     return stats
+
+
+def _drain(pending: Dict[Future, str], fill: Any, f: Any, lock: threading.Lock, stats: DatagenStats, bar: Any) -> None:
+    """Write each finished conversation as it completes (refilling the queue) until none is pending."""
+    from nemo_spec.data import to_daring_anteater
+
+    while pending:
+        finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+        for fut in finished:
+            rid = pending.pop(fut)
+            try:
+                rec, n_req, n_tok = fut.result()
+            except Exception as e:  # one bad conversation must not stop the run; it is retried on resume
+                stats.failed += 1
+                stats.failures.append(f"{rid}: {type(e).__name__}: {e}")
+                log.warning("record %s failed: %s", rid, e)
+                bar.update(1)
+                continue
+            line = json.dumps(to_daring_anteater(rec), ensure_ascii=False)
+            with lock:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            stats.written += 1
+            stats.requests += n_req
+            stats.completion_tokens += n_tok
+            bar.update(1)
+        fill()

@@ -29,25 +29,32 @@ def main(argv=None) -> int:
                     "world size)")
     ap.add_argument("--dtype", default="fp32", help="export: fp32 | bf16 | fp16; import: the parameter dtype of a "
                     "GGUF import (HF imports keep fp32 parameters)")
-    ap.add_argument("--tokenizer_dir", default=None, help="export: tokenizer files to copy (default: from src)")
+    ap.add_argument("--tokenizer_dir", default=None, help="export: tokenizer files to copy (default: from src); "
+                    "GGUF import: a Hugging Face tokenizer directory saved in place of the one rebuilt from the file")
     ap.add_argument("--architecture", default=None, choices=sorted(hf.SUPPORTED_ARCHITECTURES),
                     help="export: HF architecture to write (default: derived from the model config)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty destination (export: an earlier "
                     "HF export; import: an earlier checkpoint)")
     args = ap.parse_args(argv)
+    gguf_import = args.direction == "import" and (gguf.is_gguf_file(args.src) or args.src.lower().endswith(".gguf"))
+    if args.direction == "import" and args.tokenizer_dir and not gguf_import:
+        ap.error("--tokenizer_dir is for exports and GGUF imports; a Hugging Face import saves the tokenizer of its "
+                 "directory")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parallel.initialize(tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
     try:
-        if args.direction == "import" and (gguf.is_gguf_file(args.src) or args.src.lower().endswith(".gguf")):
+        if gguf_import:
             out = gguf.convert_gguf_to_checkpoint(args.src, args.dst, params_dtype=hf.resolve_dtype(args.dtype),
-                                                  overwrite=args.overwrite)
+                                                  overwrite=args.overwrite, tokenizer_dir=args.tokenizer_dir)
         elif args.direction == "import":
             out = hf.convert_hf_to_checkpoint(args.src, args.dst, overwrite=args.overwrite)
         else:
             out = hf.convert_checkpoint_to_hf(args.src, args.dst, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir,
                                               architecture=args.architecture, overwrite=args.overwrite)
     except (hf.HFCheckpointError, gguf.GGUFError, ValueError, FileNotFoundError) as e:
-        logging.getLogger("convert_hf").error("%s", e)
+        if entry.debug_requested():
+            raise
+        entry.print_user_error(e)
         return 2
     finally:
         parallel.destroy()

@@ -48,8 +48,12 @@ def main(argv=None) -> int:
     try:
         stats = generate_data(parse_args(argv))
     except DatagenError as e:
-        logging.error("%s", e)
+        if entry.debug_requested():
+            raise
+        entry.print_user_error(e)
         return 2
+    except KeyboardInterrupt:
+        return 130  # generate_data logged what was written; a rerun resumes
     logging.info("done: %s", {k: v for k, v in vars(stats).items() if k != "failures"})
     return 1 if stats.failed else 0
 

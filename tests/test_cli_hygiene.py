@@ -82,6 +82,9 @@ def test_training_on_an_empty_or_undecodable_file_is_a_one_line_error(hf_ckpt, t
     (["scripts/generate.py", "--model", "/no/such/ckpt", "hi"], "/no/such/ckpt"),
     (["scripts/export.py", "--checkpoint", "/no/such/ckpt", "--export_dir", "/tmp/x"], "/no/such/ckpt"),
     (["scripts/serve.py", "model.path=/no/such/ckpt"], "/no/such/ckpt"),
+    (["scripts/convert_hf.py", "import", "/no/such/ckpt", "/tmp/x"], "/no/such/ckpt"),
+    (["scripts/generate_data.py", "--input", "/no/such/ckpt", "--output", "/tmp/x.jsonl", "--model", "m"],
+     "/no/such/ckpt"),
 ])
 def test_missing_checkpoint_is_a_one_line_error(args, needle, tmp_path):
     if args[0] == "scripts/serve.py":
@@ -90,7 +93,8 @@ def test_missing_checkpoint_is_a_one_line_error(args, needle, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr[-3000:]
     assert "(run with --debug for the full traceback)" in proc.stderr, proc.stderr[-3000:]
-    if args[0] in ("scripts/gpt_speculate.py", "scripts/export.py"):  # they return 2 themselves: --debug too
+    if args[0] in ("scripts/gpt_speculate.py", "scripts/export.py", "scripts/convert_hf.py",
+                   "scripts/generate_data.py"):  # they return 2 themselves: --debug too
         dbg = _run([*args, "--debug"])
         assert dbg.returncode != 0 and "Traceback" in dbg.stderr and needle in dbg.stderr, dbg.stderr[-3000:]
 
@@ -123,3 +127,16 @@ if _OTHER_SMOKE:
     @pytest.mark.parametrize("cmd", _OTHER_SMOKE)
     def test_readme_smoke_command_runs_as_written(cmd):
         run_readme_command(cmd)
+
+
+def test_generate_compile_flag_before_a_prompt_takes_the_default_mode():
+    """`generate.py --model M --compile "def f():"`: argparse took the prompt as the compile mode and refused it
+    (found by review); a bare --compile before a prompt is the default mode, a named mode still works."""
+    from nemo_spec.inference.cli import _bare_compile, build_parser
+
+    a = build_parser().parse_args(_bare_compile(["--model", "m", "--compile", "def f():"]))
+    assert a.compile == "default" and "def f():" in a.prompts
+    b = build_parser().parse_args(_bare_compile(["--model", "m", "--compile", "max-autotune", "hi"]))
+    assert b.compile == "max-autotune" and "hi" in b.prompts
+    c = build_parser().parse_args(_bare_compile(["--model", "m", "hi", "--compile"]))
+    assert c.compile == "default"

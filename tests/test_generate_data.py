@@ -112,6 +112,63 @@ def test_generate_data_config_errors(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(DatagenError, match="bad.jsonl:1"):
         finished_ids(bad)
+    with pytest.raises(DatagenError, match="inside the input directory"):  # a rerun would read its own output
+        DatagenConfig(input=str(src.parent), output=str(src.parent / "sub" / "o.jsonl"), model="m").validate()
+
+
+class _Client:
+    """An OpenAI-client stand-in answering every chat request with "ok" (records the calls)."""
+
+    def __init__(self, interrupt_after=None):
+        self.calls, self.closed, self.interrupt_after = 0, False, interrupt_after
+        self.chat = self
+        self.completions = self
+
+    def create(self, **kw):
+        import types
+
+        self.calls += 1
+        if self.interrupt_after is not None and self.calls > self.interrupt_after:
+            raise KeyboardInterrupt
+        msg = types.SimpleNamespace(content="ok")
+        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=msg, finish_reason="stop")],
+                                     usage=types.SimpleNamespace(completion_tokens=1))
+
+    def close(self):
+        self.closed = True
+
+
+def test_generate_data_resume_ids_do_not_depend_on_how_the_input_was_named(tmp_path, monkeypatch):
+    """From a review: records without ids were named '<path as typed>:<line>', so the same job rerun with an
+    absolute path (or from another directory) skipped nothing and wrote every conversation twice; a UTF-8 BOM
+    lost the first record; many ids were checked for duplicates in quadratic time."""
+    rows = [{"conversations": [{"from": "User", "value": f"q{i}"}, {"from": "Assistant", "value": "a"}]}
+            for i in range(5)]
+    (tmp_path / "chats.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    monkeypatch.chdir(tmp_path)
+    first = generate_data(DatagenConfig(input="chats.jsonl", output=str(tmp_path / "o.jsonl"), model="m"), _Client())
+    assert (first.total, first.written) == (5, 5)
+    again = generate_data(DatagenConfig(input=str(tmp_path / "chats.jsonl"), output=str(tmp_path / "o.jsonl"),
+                                        model="m"), _Client())
+    assert (again.skipped_existing, again.written) == (5, 0)
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 5
+
+
+def test_an_interrupted_generate_data_starts_nothing_more_and_resumes(tmp_path):
+    """Ctrl-C used to wait for every queued conversation, sending their requests and dropping the replies."""
+    rows = [{"id": f"r{i}", "conversations": [{"from": "User", "value": f"q{i}"},
+                                              {"from": "Assistant", "value": "a"}]} for i in range(40)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = lambda: DatagenConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "o.jsonl"), model="m",  # noqa: E731
+                                concurrency=1)
+    client = _Client(interrupt_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(cfg(), client)
+    assert client.calls in (4, 5) and client.closed  # at most the one queued beside it started, not the 36 others
+    written = len((tmp_path / "o.jsonl").read_text().splitlines())
+    assert written == 3
+    rest = generate_data(cfg(), _Client())
+    assert (rest.skipped_existing, rest.written) == (3, 37)
 
 
 def test_generate_data_counts_failures_and_retries_them_on_resume(tmp_path):

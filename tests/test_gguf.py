@@ -4,6 +4,7 @@ the metadata (byte-level BPE and SentencePiece, equal to transformers' GGUF toke
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -391,3 +392,22 @@ def test_bad_shape_metadata_is_a_gguf_error(key, value, words):
     G.gguf_hf_config(meta, ["token_embd.weight"], "m.gguf")  # the good file converts
     with pytest.raises(G.GGUFError, match=r"m.gguf: .*" + words):
         G.gguf_hf_config({**meta, f"llama.{key}": value}, ["token_embd.weight"], "m.gguf")
+
+
+def test_gguf_import_can_take_a_tokenizer_directory(llama, tmp_path):
+    """A GGUF whose tokenizer cannot be rebuilt (errors point to it) is imported with a Hugging Face tokenizer
+    directory: `convert_hf.py import MODEL.gguf CKPT --tokenizer_dir DIR` saves that one (README, GGUF limits)."""
+    from nemo_spec.checkpoint.gguf import convert_gguf_to_checkpoint
+
+    _, f32, _ = llama
+    src = tmp_path / "tok"
+    src.mkdir()
+    tok_json = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "<unk>": 2},
+                                            "unk_token": "<unk>"}}
+    (src / "tokenizer.json").write_text(json.dumps(tok_json))
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    ck = convert_gguf_to_checkpoint(f32, tmp_path / "ck", tokenizer_dir=src)
+    assert json.loads((ck / "tokenizer" / "tokenizer.json").read_text()) == tok_json
+    with pytest.raises(G.GGUFError, match="tokenizer_dir .* is not a directory"):
+        convert_gguf_to_checkpoint(f32, tmp_path / "ck2", tokenizer_dir=tmp_path / "none")
+    assert "--tokenizer_dir" in G.TOKENIZER_HINT

@@ -18,7 +18,7 @@ from nemo_spec.models import build_gpt
 from nemo_spec.speculative import SpeculativeTransform
 from nemo_spec.training import (OptimConfig, SpeculativeLightningModule, TrainCheckpointError, TrainerConfig,
                                 build_trainer, train, train_config_from_dict, warmup_cosine)
-from tests.helpers import ROOT, tiny_llama
+from tests.helpers import ROOT, tiny_gpt2, tiny_llama
 from tests.train_utils import (parallel_draft_config, small_train_config, synthetic_chats, tiny_tokenizer,
                                train_tiny_base)
 
@@ -290,6 +290,30 @@ def test_lr_decays_over_max_epochs_when_max_steps_is_unset(base, tmp_path):
     lrs = _metric(tmp_path / "ep", "lr")
     assert len(lrs) == res.trainer.global_step > 4
     assert max(lrs) == pytest.approx(c.optim.lr) and lrs[-1] < 0.2 * c.optim.lr and lrs[-1] >= c.optim.min_lr
+
+
+def test_data_that_does_not_fit_the_base_is_refused_before_training(base, tmp_path):
+    """From a review: a tokenizer with ids beyond the base vocabulary, or samples longer than a GPT-2 base's learned
+    positions, died with an IndexError inside torch's embedding at the first such batch; now a ConfigError naming
+    the mismatch before the first step."""
+    from nemo_spec.data.chat import Encoded
+    from nemo_spec.training.module import check_data_fits
+
+    model_path, data = base
+    c = small_train_config(tmp_path / "tok", "eagle1", steps=2)
+    c.model_path, c.data.path = str(model_path), str(data)
+    tiny_tokenizer(tmp_path / "big_tok", vocab_size=400)
+    c.tokenizer_path = str(tmp_path / "big_tok")
+    with pytest.raises(ConfigError, match=r"token id \d+, outside the base model's vocabulary \[0, 128\)"):
+        train(c, save_final=False)
+    gpt2 = tiny_gpt2()
+    ok = [Encoded(torch.arange(gpt2.max_position_embeddings) % 7, torch.ones(gpt2.max_position_embeddings), False)]
+    check_data_fits(ok, gpt2)
+    n = gpt2.max_position_embeddings + 1
+    long = [Encoded(torch.arange(n) % 7, torch.ones(n), False)]
+    with pytest.raises(ConfigError, match=f"up to {gpt2.max_position_embeddings + 1} tokens .* "
+                                          f"{gpt2.max_position_embeddings} learned positions"):
+        check_data_fits(long, gpt2)
 
 
 def _with_stop(trainer, step):

@@ -51,6 +51,10 @@ SUPPORTED_TYPES: Tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 
+#: what a user whose GGUF tokenizer cannot be rebuilt does instead
+TOKENIZER_HINT = 'pass a Hugging Face tokenizer directory instead (convert_hf.py import MODEL.gguf CKPT --tokenizer_dir DIR; generate.py / benchmark.py --tokenizer DIR)'
+
+
 class GGUFError(CheckpointError, ValueError):
     """A GGUF file is unreadable, not a GGUF file, or uses an unsupported architecture / tensor type (names it)."""
 
@@ -403,8 +407,7 @@ def build_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
         return build_sentencepiece_tokenizer(meta, source)
     if kind != "gpt2":
         raise GGUFError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level "
-                        f"BPE; 'llama', SentencePiece BPE); pass a Hugging Face tokenizer directory with "
-                        f"--tokenizer instead")
+                        f"BPE; 'llama', SentencePiece BPE); {TOKENIZER_HINT}")
     return _build_gpt2_tokenizer(meta, source)
 
 
@@ -502,7 +505,7 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
     arch = meta.get("general.architecture")
     if arch in _SPM_OTHER_BUILDERS:
         raise GGUFError(f"{source}: a 'llama' (SentencePiece) tokenizer of architecture {arch!r} is built "
-                        f"differently by transformers and is not supported; pass --tokenizer instead")
+                        f"differently by transformers and is not supported; {TOKENIZER_HINT}")
     tokens: List[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise GGUFError(f"{source}: metadata 'tokenizer.ggml.tokens' is missing or empty")
@@ -636,19 +639,22 @@ def gguf_tokenizer_dir(path: PathLike, cache_dir: Optional[PathLike] = None) -> 
 # --------------------------------------------------------------------------------------------------------------
 
 def convert_gguf_to_checkpoint(src: PathLike, out_dir: PathLike, params_dtype: torch.dtype = torch.float32,
-                               overwrite: bool = False) -> Path:
-    """Import a GGUF file (current TP size) and save it as our torch_dist checkpoint with its tokenizer (all ranks)."""
+                               overwrite: bool = False, tokenizer_dir: Optional[PathLike] = None) -> Path:
+    """Import a GGUF file (current TP size) and save it as our torch_dist checkpoint with its tokenizer (all ranks):
+    the one rebuilt from the file's metadata, or ``tokenizer_dir`` (a Hugging Face tokenizer directory)."""
     from nemo_spec.checkpoint import save_checkpoint
 
     from nemo_spec.checkpoint.hf import _refuse_nonempty
 
     p = check_gguf_file(src).resolve()
     _refuse_nonempty(Path(out_dir), overwrite)
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise GGUFError(f"tokenizer_dir {tokenizer_dir} is not a directory (a Hugging Face tokenizer directory)")
     model = load_gguf(p, params_dtype=params_dtype)
     with tempfile.TemporaryDirectory(prefix="nemo_spec_gguf_tok-") as tmp:
-        tok: Optional[Path] = None
+        tok: Optional[Path] = Path(tokenizer_dir) if tokenizer_dir is not None else None
         try:
-            tok = write_tokenizer_dir(p, Path(tmp) / "tokenizer")
+            tok = tok or write_tokenizer_dir(p, Path(tmp) / "tokenizer")
         except GGUFError as e:
             log.warning("%s; the checkpoint is saved without a tokenizer", e)
         return save_checkpoint(model, out_dir, tokenizer_dir=tok, overwrite=overwrite,

@@ -148,12 +148,13 @@ def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
 def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
     """Yield (where, object or None, error) for each JSONL line or JSON-list item of ``file``; a line that is
     not valid UTF-8 is a malformed record like invalid JSON."""
+    file = Path(file).resolve()  # records without an id are named by file:line: the same whatever the cwd
     with open(file, "rb") as fb:
-        head = fb.read(4096).decode("utf-8", errors="replace").lstrip()
+        head = fb.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")  # a UTF-8 BOM too
     if head.startswith("["):
         raw = file.read_bytes()
         try:
-            items = json.loads(raw.decode("utf-8"))
+            items = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError as e:
             line_no = raw.count(b"\n", 0, e.start) + 1
             yield f"{file}:{line_no}", None, f"invalid UTF-8 at byte {e.start}: {e.reason}"
@@ -167,7 +168,7 @@ def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
     with open(file, "rb") as f:
         for lineno, raw_line in enumerate(f, 1):
             try:
-                line = raw_line.decode("utf-8")
+                line = raw_line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 yield f"{file}:{lineno}", None, f"invalid UTF-8 at column {e.start + 1}: {e.reason}"
                 continue

@@ -16,6 +16,20 @@ from nemo_spec.inference.proposers import METHODS
 log = logging.getLogger(__name__)
 
 
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+def _bare_compile(argv: Sequence[str]) -> List[str]:
+    """``--compile`` followed by a prompt (not a mode) means the default mode: argparse would otherwise take the
+    prompt as the mode and refuse it (`generate.py --model M --compile "def f():"`)."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--compile" and out[i + 1] not in COMPILE_MODES and not out[i + 1].startswith("-"):
+            out.insert(i + 1, "default")
+            break
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser of scripts/generate.py."""
     p = argparse.ArgumentParser(description="Generate text with a nemo_spec / Megatron / Hugging Face checkpoint, "
@@ -56,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-token-prob", type=float, default=None, help="suffix: least draft node probability")
     p.add_argument("--global-cache", type=int, default=None,
                    help="suffix: outputs kept in the model's global suffix store (later batches draft from them)")
-    p.add_argument("--compile", nargs="?", const="default", default=None,
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="compile the decode step's dense layer work with torch.compile (mode; default 'default'; "
                         "'reduce-overhead' = CUDA graphs on a GPU). Off by default: see the README's measurements")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (run under torchrun)")
@@ -165,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     from nemo_spec.inference.generate import generate, get_engine
     from nemo_spec.inference.proposers import make_proposer
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_bare_compile(sys.argv[1:] if argv is None else argv))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), seed=args.seed)
     if args.batch_size < 1:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 
-from nemo_spec.config import ModelConfig
+from nemo_spec.config import ConfigError, ModelConfig
 from nemo_spec.models.gpt import gpt_forward
+from nemo_spec.models.gpt import model_config as config_of
 from nemo_spec.training.config import LossConfig, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,22 @@ def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Te
                                                       target.transpose(0, 1).contiguous()).transpose(0, 1)
     loss = (ce * mask).sum() / mask.sum().clamp(min=1.0)
     return {"loss": loss, "step_losses": [loss.detach()], "step_acc": []}
+
+
+def check_data_fits(samples: Sequence[Any], cfg: Any) -> None:
+    """ConfigError when tokenised ``samples`` hold a token id outside the model's vocabulary (a tokenizer that is
+    not the base's) or, for learned positions, are longer than the model's positions (both were IndexErrors inside
+    torch's embedding at the first such batch)."""
+    top = max((int(s.input_ids.max()) for s in samples if s.input_ids.numel()), default=-1)
+    if top >= cfg.vocab_size or min((int(s.input_ids.min()) for s in samples if s.input_ids.numel()), default=0) < 0:
+        raise ConfigError(f"the training data holds token id {top}, outside the base model's vocabulary [0, "
+                          f"{cfg.vocab_size}): the tokenizer (tokenizer_path, or the checkpoint's tokenizer/) does "
+                          f"not match the base model")
+    longest = max(int(s.input_ids.numel()) for s in samples)
+    if cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
+        raise ConfigError(f"training samples are up to {longest} tokens (data.max_seq_len) but the base model has "
+                          f"{cfg.max_position_embeddings} learned positions (max_position_embeddings); lower "
+                          f"data.max_seq_len")
 
 
 class SpeculativeLightningModule(pl.LightningModule):
@@ -289,8 +306,13 @@ class SpeculativeLightningModule(pl.LightningModule):
         self._resume_position = checkpoint.get("data_position")
 
     def on_fit_start(self) -> None:
-        """Offline training: the stored base states must come from this model (training.offline.check_model)."""
+        """Before the first step: the data must fit the model (token ids inside its vocabulary, samples within its
+        learned positions); offline, the stored base states must come from this model (offline.check_model)."""
         dm = getattr(self.trainer, "datamodule", None)
+        for name in ("train_set", "val_set"):
+            samples = getattr(getattr(dm, name, None), "samples", None)
+            if samples:
+                check_data_fits(samples, config_of(self.model))
         full = getattr(dm, "full", None)
         if full is not None and hasattr(full, "index") and hasattr(self.model, "base_forward"):
             from nemo_spec.training.offline import check_model

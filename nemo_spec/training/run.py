@@ -117,7 +117,7 @@ def token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
     """Frequencies [V] of the loss-masked (trained, e.g. assistant) target tokens of a tokenised dataset, for the
     EAGLE-3 draft vocabulary (as SafeAILab/EAGLE and SpecForge count them: prompts and templates are excluded).
 
-    Raises ValueError on a token id outside [0, vocab_size) (a tokenizer/base mismatch, not something to clamp).
+    Raises ConfigError on a token id outside [0, vocab_size) (a tokenizer/base mismatch, not something to clamp).
     """
     counts = torch.zeros(vocab_size, dtype=torch.long)
     samples = dataset.samples if hasattr(dataset, "samples") else (dataset[i] for i in range(len(dataset)))
@@ -127,8 +127,8 @@ def token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
         ids = torch.as_tensor(ids).flatten()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
-            raise ValueError(f"sample {n}: token id {bad} outside the base vocabulary [0, {vocab_size}); the "
-                             f"tokenizer does not match the base model")
+            raise ConfigError(f"sample {n}: token id {bad} outside the base vocabulary [0, {vocab_size}); the "
+                              f"tokenizer does not match the base model")
         if mask is not None:
             ids = ids[torch.as_tensor(mask).flatten().bool()]
         counts += torch.bincount(ids, minlength=vocab_size)
