@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import random
 from pathlib import Path
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -85,6 +85,23 @@ def live_server(model: torch.nn.Module, tokenizer: Any, name: str = "tiny", api_
         yield srv
     finally:
         srv.stop()
+
+
+def poison_steps(monkeypatch: Any, tokenizer: Any, text: str = "numbers 9 9 9") -> List[int]:
+    """Make the real engine's verify step raise RuntimeError("poison row") whenever a row starting with ``text``'s
+    tokens is in the batch (a failure only that request causes); returns those tokens."""
+    from nemo_spec.inference.engine import Engine
+
+    poison = tokenizer(text).input_ids
+    orig = Engine.verify
+
+    def verify(self, st, *a, **kw):
+        if any(s[: len(poison)] == poison for s in st.seqs):
+            raise RuntimeError("poison row")
+        return orig(self, st, *a, **kw)
+
+    monkeypatch.setattr(Engine, "verify", verify)
+    return poison
 
 
 # Module-scoped fixtures shared by the server test modules (import them there: pytest finds imported fixtures).

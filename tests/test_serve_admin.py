@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from nemo_spec.inference import SamplingParams, generate
-from tests.serve_utils import clone_model, live_server, tiny_model
+from tests.serve_utils import clone_model, live_server, poison_steps, tiny_model
 from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
 
@@ -172,18 +172,7 @@ def test_serve_script_loads_checkpoint_from_config(model, tok, tok_dir, tmp_path
 
 
 def test_engine_failure_is_a_500_and_the_worker_survives(model, tok, monkeypatch):
-    # the real engine raises inside the batch whenever a (poison) request's row is in it
-    from nemo_spec.inference.engine import Engine
-
-    poison = tok("numbers 9 9 9").input_ids
-    orig = Engine.verify
-
-    def verify(self, st, *a, **kw):
-        if any(s[: len(poison)] == poison for s in st.seqs):
-            raise RuntimeError("poison row")
-        return orig(self, st, *a, **kw)
-
-    monkeypatch.setattr(Engine, "verify", verify)
+    poison = poison_steps(monkeypatch, tok)  # the real engine raises inside the batch while this row is in it
     with live_server(model, tok, name="tiny") as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": poison,
                                                           "max_tokens": 40, "temperature": 0}, timeout=60)

@@ -21,7 +21,7 @@ import torch
 
 from nemo_spec.inference import SamplingParams, generate, get_engine
 from tests.helpers import ROOT, _free_port, script_env
-from tests.serve_utils import clone_model, live_server, tiny_model
+from tests.serve_utils import clone_model, live_server, poison_steps, tiny_model
 from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
 
@@ -100,18 +100,8 @@ def test_a_step_that_fails_is_resumed_request_by_request(model, tok, monkeypatch
     """Continuous batching: a step raises whenever one (poison) request is in the batch. The session is reset,
     every running request resumes alone from the tokens it has streamed; only the poison one fails (its stream
     ends with an error event), the others finish with exactly the greedy text."""
-    from nemo_spec.inference.engine import Engine
-
     ref = clone_model(model)
-    poison = tok("numbers 9 9 9").input_ids
-    orig = Engine.verify
-
-    def verify(self, st, *a, **kw):
-        if any(s[: len(poison)] == poison for s in st.seqs):
-            raise RuntimeError("poison row")
-        return orig(self, st, *a, **kw)
-
-    monkeypatch.setattr(Engine, "verify", verify)
+    poison = poison_steps(monkeypatch, tok)
     prompts = ["the cat sat on", "we read code ,", "hello world , this"]
     with live_server(model, tok, name="tiny", max_batch=8, batch_wait_ms=300) as srv:
         with ThreadPoolExecutor(4) as ex:
