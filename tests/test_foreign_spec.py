@@ -3,6 +3,8 @@
 The base must run through its own modules (megatron's RotaryEmbedding in GPTModel.forward, DotProductAttention,
 its masks); nothing may hand it an AttnContext; generation refuses it up front or converts it exactly.
 """
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,21 +21,24 @@ from nemo_spec.speculative import SpeculativeTransform
 V, S = 96, 12
 
 
-def local_spec_gpt(seed: int = 0, tied: bool = False) -> GPTModel:
+def local_spec_gpt(seed: int = 0, tied: bool = False, gpt_kw: Optional[dict] = None, spec_kw: Optional[dict] = None,
+                   **config: object) -> GPTModel:
     """Llama-style (RoPE theta 5e5, RMSNorm, SwiGLU, GQA 4/2) GPTModel from megatron's local spec, as NeMo builds
     it without Transformer Engine."""
     from nemo_spec._cpu import apply_cpu_workarounds
 
     apply_cpu_workarounds()
     torch.manual_seed(seed)
-    cfg = TransformerConfig(
-        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, init_method_std=0.05)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=V, max_sequence_length=64,
-                    position_embedding_type="rope", rotary_base=500000, share_embeddings_and_output_weights=tied)
+    cfg = TransformerConfig(**{
+        "num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 64,
+        "use_cpu_initialization": True, "normalization": "RMSNorm", "gated_linear_unit": True,
+        "activation_func": F.silu, "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "bias_activation_fusion": False, "masked_softmax_fusion": False, "persist_layer_norm": False,
+        "bias_dropout_fusion": False, "apply_rope_fusion": False, "gradient_accumulation_fusion": False,
+        "init_method_std": 0.05, **config})
+    kw = {"vocab_size": V, "max_sequence_length": 64, "position_embedding_type": "rope", "rotary_base": 500000,
+          "share_embeddings_and_output_weights": tied, **(gpt_kw or {})}
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm", **(spec_kw or {})), **kw)
 
 
 def own_forward(gpt: GPTModel, ids: torch.Tensor) -> torch.Tensor:
@@ -161,3 +166,79 @@ def test_conversion_refuses_what_it_cannot_represent():
     gpt.config.rotary_interleaved = True
     with pytest.raises(ForeignSpecError, match="rotary_interleaved"):
         to_project_spec(gpt)
+
+
+
+@pytest.mark.parametrize("config,gpt_kw,words", [
+    ({"window_size": (6, 0)}, {}, r"window_size=\(6, 0\) \(sliding-window"),
+    ({}, {"rotary_percent": 0.5}, r"rotary_percent=0.5 \(RoPE on 4 of 8 head dims\)"),
+    ({}, {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor=2.0"),
+    ({}, {"position_embedding_type": "none"}, "position_embedding_type='none'"),
+    ({"softmax_scale": 0.5}, {}, "softmax_scale=0.5"), ({"no_rope_freq": [0, 0, 1]}, {}, r"no_rope_freq=\[0, 0, 1\]"),
+    ({"gated_linear_unit": False}, {}, "activation_func=silu without gated_linear_unit"),
+    ({"activation_func": F.gelu}, {}, "gated_linear_unit with activation_func=gelu")])
+def test_conversion_names_each_option_it_cannot_represent(config, gpt_kw, words):
+    """From a review: a sliding window was dropped silently (a different model; the 16-token logit check cannot see
+    a window of 16 or more), rotary_percent was refused as 'scaled RoPE?', the others as 'does not reproduce its
+    logits' (or, for 'none', converted to learned positions). Each is now refused by name, before any weights move."""
+    with pytest.raises(ForeignSpecError, match=words):
+        to_project_spec(local_spec_gpt(seed=8, gpt_kw=gpt_kw, **config))
+
+
+def test_qk_layernorm_converts_and_a_rounded_rope_base_is_read_exactly():
+    """qk_layernorm was refused although nemo_spec's spec has it; the RoPE base read back from float32 inv_freq was
+    999997.4 for 1e6 at head dim 128 (it went into the converted model and the exports)."""
+    from nemo_spec.speculative.transform import model_config_from_megatron
+
+    gpt = local_spec_gpt(seed=9, qk_layernorm=True, spec_kw={"qk_layernorm": True}).eval()
+    conv = to_project_spec(gpt)
+    ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(gpt_forward(conv, ids).logits, own_forward(gpt, ids), atol=1e-5, rtol=1e-5)
+    wide = local_spec_gpt(seed=9, kv_channels=128, gpt_kw={"rotary_base": 1000000})
+    assert model_config_from_megatron(wide).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("flag", ["pre_process", "post_process"])
+def test_a_pipeline_stage_is_refused_by_name(flag):
+    """post_process=False failed with AttributeError 'output_layer' deep in the draft, pre_process=False with
+    'NoneType has no attribute size' (found by review)."""
+    from nemo_spec.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{flag}=False \\(a pipeline stage"):
+        SpeculativeTransform(num_eagle_layers=1)(local_spec_gpt(seed=1, gpt_kw={flag: False}))
+
+
+def test_save_and_export_convert_another_spec_first(tmp_path):
+    """save_checkpoint of a local-spec model wrote megatron's TE-style norm names, which load_model could not read;
+    export_model wrote a foreign base without any conversion check (rotary_interleaved exported silently wrong).
+    Both now go through to_project_spec: the checkpoint loads with the model's own logits, a base nemo_spec cannot
+    represent is refused by name."""
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import load_model, save_checkpoint
+    from nemo_spec.export import export_model
+
+    parallel.initialize(tensor_parallel_size=1)
+    gpt = local_spec_gpt(seed=4).eval()
+    spec = SpeculativeTransform(num_eagle_layers=1)(gpt)
+    ck = save_checkpoint(spec, tmp_path / "ck")
+    ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = gpt_forward(load_model(ck).gpt, ids).logits
+    assert torch.allclose(got, own_forward(gpt, ids), atol=1e-5, rtol=1e-5)
+    bad = local_spec_gpt(seed=4)
+    bad.config.rotary_interleaved = True
+    with pytest.raises(ForeignSpecError, match="rotary_interleaved"):
+        export_model(SpeculativeTransform(num_eagle_layers=1)(bad), tmp_path / "exp", dtype="fp32")
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_sequence_parallel_base_at_tp2_gives_the_drafts_every_position():
+    """Found by review: at TP=2 with sequence_parallel=True (NeMo's default at TP > 1) the captured hidden states
+    were each rank's half of the sequence and the draft losses failed on shapes. Under torchrun: base outputs,
+    EAGLE-3 / EAGLE-1 / DFlash losses and draft gradients equal those without sequence parallelism."""
+    from tests.helpers import ROOT, run_torchrun
+
+    out = run_torchrun(ROOT / "tests" / "dist_scripts" / "foreign_sequence_parallel.py", [str(ROOT)], timeout=300)
+    for alg in ("eagle3", "eagle1", "dflash"):
+        assert out.count(f"SEQUENCE_PARALLEL_OK {alg}") == 2, out[-2000:]

@@ -281,9 +281,12 @@ def copy_tokenizer(src: PathLike, dst: Path) -> List[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _checkpoint_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose sharded_state_dict() is saved: a SpeculativeGPT or the GPTModel (unwrapping wrappers)."""
+    """The module whose sharded_state_dict() is saved: a SpeculativeGPT or the GPTModel (unwrapping wrappers), its
+    base in nemo_spec's layer spec (another spec's model is converted, its logits checked: what load_model builds)."""
     from nemo_spec.models import unwrap, unwrap_speculative
+    from nemo_spec.models.foreign import to_project_spec
 
+    model = to_project_spec(model)
     return unwrap_speculative(model) or unwrap(model)
 
 

@@ -319,9 +319,11 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     raise ExportError on a mismatch (needs the base; TP=1).
     """
     from nemo_spec.checkpoint.hf import export_hf
+    from nemo_spec.models.foreign import to_project_spec
 
     out_dir = Path(export_dir).absolute()
     torch_dtype = resolve_dtype(dtype, "export dtype", ExportError)
+    model = to_project_spec(model)  # another layer spec's base: converted and checked (or refused by name) first
     spec_model = _unwrap_spec(model)
     transformed = is_speculative(spec_model)
     algorithm = spec_model.spec_config.algorithm if transformed else None

@@ -85,14 +85,27 @@ def _capture(gpt: torch.nn.Module, layers: Sequence[int], stop_after_decoder: bo
     got: Dict[Any, Any] = {}
     handles = []
     blocks = gpt.decoder.layers
+    from nemo_spec import parallel
+
+    # under sequence parallelism (NeMo's default at TP > 1) the decoder's outputs are this rank's slice of the
+    # sequence [s / tp, b, h]; the draft reads every position, as the output layer does: gather them
+    sharded = bool(getattr(gpt.config, "sequence_parallel", False)) and parallel.tp_size() > 1
+
+    def full(out: Any) -> torch.Tensor:
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if sharded:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        return out
 
     def layer_hook(i: int):
         def hook(module, args, output):
-            got[i] = output[0] if isinstance(output, (tuple, list)) else output
+            got[i] = full(output)
         return hook
 
     def decoder_hook(module, args, output):
-        got["final"] = output[0] if isinstance(output, (tuple, list)) else output
+        got["final"] = full(output)
         if stop_after_decoder:
             raise _StopForward
 
@@ -145,20 +158,40 @@ def _inv_freq(gpt: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def conversion_problems(gpt: torch.nn.Module) -> List[str]:
-    """What of ``gpt``'s architecture nemo_spec's layer spec cannot represent (empty when it converts)."""
+    """What of ``gpt``'s architecture nemo_spec's layer spec cannot represent (empty when it converts); each names
+    the option, so that nothing is converted into a silently different model."""
+    import torch.nn.functional as F
+
     c = gpt.config
     problems = []
-    for name, bad in (("rotary_interleaved", True), ("qk_layernorm", True), ("multi_latent_attention", True),
+    for name, bad in (("rotary_interleaved", True), ("multi_latent_attention", True),
                       ("apply_residual_connection_post_layernorm", True), ("add_qkv_bias", None)):
         v = getattr(c, name, False)
         if bad is not None and bool(v) == bad:
             problems.append(f"{name}={v}")
     if getattr(c, "num_moe_experts", None):
         problems.append(f"num_moe_experts={c.num_moe_experts}")
-    if float(getattr(c, "rotary_percent", 1.0) or 1.0) != 1.0:
-        problems.append(f"rotary_percent={c.rotary_percent}")
-    if getattr(gpt, "position_embedding_type", "rope") not in ("rope", "learned_absolute", "none"):
-        problems.append(f"position_embedding_type={gpt.position_embedding_type}")
+    if getattr(c, "window_size", None) is not None:
+        problems.append(f"window_size={c.window_size} (sliding-window attention)")
+    pos = getattr(gpt, "position_embedding_type", "rope")
+    if pos not in ("rope", "learned_absolute"):
+        problems.append(f"position_embedding_type={pos!r}")
+    inv = _inv_freq(gpt)
+    if pos == "rope" and inv is not None and 2 * inv.numel() != c.kv_channels:
+        problems.append(f"rotary_percent={2 * inv.numel() / c.kv_channels:g} (RoPE on {2 * inv.numel()} of "
+                        f"{c.kv_channels} head dims)")
+    if getattr(gpt, "rotary_pos_emb", None) is not None and getattr(gpt.rotary_pos_emb, "seq_len_interpolation_factor",
+                                                                    None):
+        problems.append(f"seq_len_interpolation_factor={gpt.rotary_pos_emb.seq_len_interpolation_factor}")
+    if getattr(c, "no_rope_freq", None):
+        problems.append(f"no_rope_freq={c.no_rope_freq} (layers without RoPE)")
+    if getattr(c, "softmax_scale", None) is not None:
+        problems.append(f"softmax_scale={c.softmax_scale}")
+    act = c.activation_func
+    if c.gated_linear_unit and act is not F.silu:
+        problems.append(f"gated_linear_unit with activation_func={getattr(act, '__name__', act)} (only SwiGLU)")
+    if not c.gated_linear_unit and act in (F.silu, F.relu):
+        problems.append(f"activation_func={act.__name__} without gated_linear_unit (only GELU)")
     if getattr(gpt, "mtp_process", False):
         problems.append("multi-token-prediction layers")
     return problems

@@ -112,12 +112,33 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
 
 
+def word_embeddings(base: torch.nn.Module, ids_sb: torch.Tensor) -> torch.Tensor:
+    """The base's (vocab-parallel) token embeddings [s, b, h] of ``ids_sb`` [s, b], the whole sequence on every TP
+    rank: a sequence-parallel base (foreign, e.g. NeMo at TP > 1) would otherwise reduce-scatter them along the
+    sequence (megatron's VocabParallelEmbedding.reduce_scatter_embeddings), which drafts do not use."""
+    emb = unwrap(base).embedding.word_embeddings
+    if not getattr(emb, "reduce_scatter_embeddings", False):
+        return emb(ids_sb)
+    emb.reduce_scatter_embeddings = False
+    try:
+        return emb(ids_sb)
+    finally:
+        emb.reduce_scatter_embeddings = True
+
+
 def output_logits(model: torch.nn.Module, hidden_sbh: torch.Tensor, fast: bool = False) -> torch.Tensor:
     """Apply the (possibly tied, vocab-parallel) output layer to final-normed hidden [s, b, h]; local logits [s, b, V/tp]."""
     m = unwrap(model)
     weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
     if fast:
         return fastpath.linear(hidden_sbh, m.output_layer.weight if weight is None else weight, m.output_layer.bias)
+    if getattr(m.output_layer, "sequence_parallel", False) and parallel.tp_size() > 1:
+        # a sequence-parallel base (foreign, e.g. NeMo at TP > 1): these hidden states are the whole sequence
+        # (foreign_forward gathers them), so no sequence gather -- the plain column-parallel product
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        w = m.output_layer.weight if weight is None else weight
+        return torch.nn.functional.linear(copy_to_tensor_model_parallel_region(hidden_sbh), w, m.output_layer.bias)
     logits, _ = m.output_layer(hidden_sbh, weight=weight)
     return logits
 

@@ -54,7 +54,7 @@ from nemo_spec._mcore import ensure_metadata
 from nemo_spec.config import ModelConfig, SpeculativeConfig
 from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
-from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
+from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits, word_embeddings
 from nemo_spec.models.spec import layer_spec, transformer_config
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ class DFlashDraft(MegatronModule):
         if fast and parallel.tp_size() == 1:
             x = F.embedding(block_ids.t(), base.embedding.word_embeddings.weight)
         else:
-            x = base.embedding.word_embeddings(block_ids.t())  # [q, b, h], frozen base embedding
+            x = word_embeddings(base, block_ids.t())  # [q, b, h], frozen base embedding
         inject = ctx.target is not None and ctx.target.shape[0] > 0
         for layer in self.layers:
             if fast:

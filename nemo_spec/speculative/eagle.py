@@ -58,7 +58,7 @@ from nemo_spec import parallel
 from nemo_spec.config import EAGLE3_LIKE, ModelConfig, SpeculativeConfig
 from nemo_spec.models import fastpath
 from nemo_spec.models.attention import AttnContext, SDPACoreAttention, apply_rope, expand_kv_for_backward
-from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits
+from nemo_spec.models.gpt import cast_params, gather_vocab, output_logits, word_embeddings
 from nemo_spec.models.spec import layer_spec, transformer_config
 
 log = logging.getLogger(__name__)
@@ -381,7 +381,7 @@ class EagleDraft(MegatronModule):
         """Token embeddings [s, b, h] of ``input_ids`` [b, s] from the frozen base embedding."""
         if fast and parallel.tp_size() == 1:
             return F.embedding(input_ids.t(), base.embedding.word_embeddings.weight)
-        return base.embedding.word_embeddings(input_ids.t())
+        return word_embeddings(base, input_ids.t())
 
     def head_logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """EAGLE-3 draft head (final norm + lm_head over the draft vocabulary) on hidden rows [..., h]."""

@@ -225,6 +225,11 @@ class SpeculativeTransform:
 
     def _transform_gpt(self, gpt: GPTModel) -> SpeculativeGPT:
         """Build the draft for a plain GPTModel."""
+        for flag, what in (("pre_process", "the embedding"), ("post_process", "the output layer")):
+            if not getattr(gpt, flag, True):
+                raise ConfigError(f"{type(gpt).__name__} has {flag}=False (a pipeline stage without {what}): the "
+                                  f"draft needs the whole model's embedding and output layer; build the model "
+                                  f"without pipeline parallelism")
         model_config = getattr(gpt, "nemo_spec_config", None)
         derived = model_config is None
         if derived:
@@ -284,7 +289,7 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
     if not hasattr(c, "nemo_rope") and rope and getattr(gpt, "rotary_pos_emb", None) is not None:
         inv = gpt.rotary_pos_emb.inv_freq
         if inv.numel() > 1:  # inv_freq[1] = base^(-2/d) (a high frequency: no Llama-3 scaling applies to it)
-            rope_base = float(inv[1].double() ** (-c.kv_channels / 2.0))
+            rope_base = _round_theta(float(inv[1].double() ** (-c.kv_channels / 2.0)), inv, c.kv_channels)
         rotary_base = getattr(c, "rotary_base", None) or getattr(gpt.rotary_pos_emb, "rotary_base", None)
         if rotary_base:
             rope_base = float(rotary_base)
@@ -308,4 +313,18 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
         activation=activation, position_embedding="rope" if rope else "learned", rope_theta=round(rope_base, 3),
         rope_scaling=dict(rope_scaling) if rope_scaling else None,
         add_bias_linear=c.add_bias_linear, add_qkv_bias=bool(getattr(c, "add_qkv_bias", False)),
-        tie_word_embeddings=gpt.share_embeddings_and_output_weights, init_method_std=c.init_method_std)
+        tie_word_embeddings=gpt.share_embeddings_and_output_weights, init_method_std=c.init_method_std,
+        qk_layernorm=bool(getattr(c, "qk_layernorm", False)))
+
+
+def _round_theta(theta: float, inv: torch.Tensor, head_dim: int) -> float:
+    """The RoPE base read back from a model's (float32) inv_freq is off in its last digits (999997.4 for 1e6): the
+    shortest decimal whose frequencies are the model's own."""
+    from nemo_spec.models.attention import rope_inv_freq
+
+    for digits in range(1, 10):
+        cand = float(f"{theta:.{digits}g}")
+        ours = rope_inv_freq(head_dim, cand, None)
+        if ours.shape == inv.shape and torch.allclose(ours, inv.float().cpu(), rtol=1e-6, atol=0):
+            return cand
+    return theta
