@@ -41,6 +41,8 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{where} must be {' or '.join(_describe(a) for a in args)}, got {value!r}")
     base = origin or hint
+    if base is list and isinstance(value, tuple):
+        value = list(value)
     ok = (isinstance(value, base) and not (isinstance(value, bool) and base in (int, float))) or \
         (base is float and isinstance(value, int) and not isinstance(value, bool))
     if not ok:

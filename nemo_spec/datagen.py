@@ -165,6 +165,18 @@ def _records(cfg: DatagenConfig) -> List[Dict[str, Any]]:
     return recs[: cfg.limit] if cfg.limit else recs
 
 
+def _earlier_spellings(done: Set[str]) -> Set[str]:
+    """Finished ids written by versions that named an id-less record '<input path as typed>:<line>', as
+    '<resolved path>:<line>' (what read_conversations records as ``_source``): a run started before the ids
+    became path-independent resumes instead of writing every such record again."""
+    out = set()
+    for rid in done:
+        path, sep, at = rid.rpartition(":")
+        if sep and (at.isdigit() or at.startswith("item ")) and Path(path).is_file():
+            out.add(f"{Path(path).resolve()}:{at}")
+    return out
+
+
 def generate_data(cfg: DatagenConfig, client: Any = None) -> DatagenStats:
     """Regenerate the dataset ``cfg.input`` into ``cfg.output`` (resumable); returns run statistics."""
 
@@ -177,7 +189,8 @@ def generate_data(cfg: DatagenConfig, client: Any = None) -> DatagenStats:
     if dup:
         raise DatagenError(f"{cfg.input}: duplicate record ids {dup[:5]}; ids must be unique to resume")
     stats = DatagenStats(total=len(records))
-    todo = [r for r in records if str(r["id"]) not in done]
+    earlier = _earlier_spellings(done)
+    todo = [r for r in records if str(r["id"]) not in done and r.get("_source") not in earlier]
     stats.skipped_existing = len(records) - len(todo)
     _write_json_atomic({**cfg.public_dict(), "records": len(records)}, out.with_name(out.name + ".config.json"))
     log.info("generate_data: %d records, %d already in %s, %d to do (concurrency %d)", len(records),

@@ -151,7 +151,15 @@ def test_generate_data_resume_ids_do_not_depend_on_how_the_input_was_named(tmp_p
     again = generate_data(DatagenConfig(input=str(tmp_path / "chats.jsonl"), output=str(tmp_path / "o.jsonl"),
                                         model="m"), _Client())
     assert (again.skipped_existing, again.written) == (5, 0)
-    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 5
+    out = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    out.sort(key=lambda r: r["id"])
+    assert [r["id"] for r in out] == [f"chats.jsonl:{i}" for i in range(1, 6)]  # no directory in the ids
+    # an output an earlier version wrote with ids spelt as its input path was typed still resumes
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({**r, "id": f"{tmp_path}/./chats.jsonl:{i + 1}"}) + "\n"
+                           for i, r in enumerate(out[:3])))
+    resumed = generate_data(DatagenConfig(input="chats.jsonl", output=str(old), model="m"), _Client())
+    assert (resumed.skipped_existing, resumed.written) == (3, 2)
 
 
 def test_an_interrupted_generate_data_starts_nothing_more_and_resumes(tmp_path):

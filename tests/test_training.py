@@ -460,8 +460,16 @@ def test_offline_precompute_matches_online_and_trains(base, tmp_path):
                                                r"data.max_seq_len: 48 there, 32 now"):
         train(again(data=dataclasses.replace(cfg.data, max_seq_len=32)), save_final=False)
     with pytest.raises(OfflineDataError, match=r"made for another model \(aux_layers=\[\d+, \d+, \d+\] there, "
-                                               r"\[0, 0, 0\] in this model"):
+                                               r"\[0, 0, 0\] read by this eagle3 draft"):
         train(again(spec=dataclasses.replace(cfg.spec, aux_layers=[0, 0, 0])), save_final=False)
+    # what stays allowed: training from the stored states alone (no data.path), and a draft that reads only the
+    # final hidden state (EAGLE-1) from EAGLE-3 states
+    short = dataclasses.replace(cfg.trainer, max_steps=2)
+    assert train(again(data=dataclasses.replace(cfg.data, path=None), trainer=short),
+                 save_final=False).trainer.global_step == 2
+    e1 = dataclasses.replace(cfg, run_dir=str(tmp_path / "e1"), trainer=short,
+                             spec=dataclasses.replace(cfg.spec, algorithm="eagle1"))
+    assert train(e1, save_final=False).trainer.global_step == 2
 
 
 # ---- Hydra + script -------------------------------------------------------------------------------------------------
@@ -499,6 +507,24 @@ def test_ill_typed_or_out_of_range_overrides_are_config_errors(override, words):
 
     with pytest.raises(ConfigError, match=words):
         typed_config(compose(["model_path=/m", "data.path=/d", override]))
+
+
+def test_train_base_on_a_model_of_another_layer_spec(tmp_path):
+    """train_base with a GPTModel of megatron's own local spec (no nemo_spec ModelConfig on it): the data-fit check
+    reads its megatron config (it raised AttributeError 'nemo_spec_config' before the first step; found by review)."""
+    from tests.test_foreign_spec import V, local_spec_gpt
+
+    cfg = small_train_config(tmp_path / "fb", steps=2)
+    cfg.train_base = True
+    res = train(cfg, model_factory=lambda: local_spec_gpt(seed=2), tokenizer=tiny_tokenizer(vocab_size=V),
+                records=synthetic_chats(24), save_final=False)
+    assert res.trainer.global_step == 2
+
+
+def test_tuples_are_taken_for_lists():
+    cfg = train_config_from_dict({"model_path": "m", "data": {"path": "d"}, "optim": {"betas": (0.9, 0.95)},
+                                  "spec": {"aux_layers": (0, 1, 2)}})
+    assert cfg.optim.betas == [0.9, 0.95] and cfg.spec.aux_layers == [0, 1, 2]
 
 
 def test_resume_false_starts_fresh_and_ints_are_taken_for_floats():

@@ -148,7 +148,6 @@ def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
 def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
     """Yield (where, object or None, error) for each JSONL line or JSON-list item of ``file``; a line that is
     not valid UTF-8 is a malformed record like invalid JSON."""
-    file = Path(file).resolve()  # records without an id are named by file:line: the same whatever the cwd
     with open(file, "rb") as fb:
         head = fb.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")  # a UTF-8 BOM too
     if head.startswith("["):
@@ -205,11 +204,18 @@ def read_conversations(path: str | os.PathLike | Sequence[str | os.PathLike], fm
                     records.append({"id": str(file), "system": None, "turns": [], "text": text})
                     stats.kept += 1
                 continue
+            # a record without an id is named by its file relative to the path given (a file: its name) and its
+            # line: the same however the path is spelt or wherever it is read from, and no home directory in it
+            name = file.relative_to(p).as_posix() if p.is_dir() else file.name
             for where, obj, err in _iter_json_objects(file):
                 try:
                     if err is not None:
                         raise DataFormatError(f"{where}: {err}")
-                    records.append(parse_record(obj, fmt, where))
+                    rec = parse_record(obj, fmt, where)
+                    if rec["id"] == where:
+                        at = where[len(str(file)) + 1:]
+                        rec["id"], rec["_source"] = f"{name}:{at}", f"{file.resolve()}:{at}"
+                    records.append(rec)
                     stats.kept += 1
                 except DataFormatError as e:
                     if strict:

@@ -133,8 +133,8 @@ def _fit_cache(spec: ModelSpec, model: torch.nn.Module, draft_model: Optional[to
     if fits < 2:
         raise ConfigError(f"{where}; a request needs at least 2 (one prompt token, one generated)")
     if spec.max_context is not None and spec.max_context > fits:
-        raise ConfigError(f"{where}, fewer than max_context={spec.max_context}; lower max_context or raise "
-                          f"max_cache_len")
+        log.warning("%s, fewer than max_context=%d: serving a context of %d tokens (max_model_len)", where,
+                    spec.max_context, fits)
     return min(max_context, fits)
 
 

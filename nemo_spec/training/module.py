@@ -309,10 +309,17 @@ class SpeculativeLightningModule(pl.LightningModule):
         """Before the first step: the data must fit the model (token ids inside its vocabulary, samples within its
         learned positions); offline, the stored base states must come from this model (offline.check_model)."""
         dm = getattr(self.trainer, "datamodule", None)
+        try:
+            cfg = config_of(self.model)
+        except AttributeError:  # a GPTModel of another layer spec trained as it is (train_base): no ModelConfig
+            from nemo_spec.models.gpt import unwrap
+            from nemo_spec.speculative.transform import model_config_from_megatron
+
+            cfg = model_config_from_megatron(unwrap(self.model))
         for name in ("train_set", "val_set"):
             samples = getattr(getattr(dm, name, None), "samples", None)
             if samples:
-                check_data_fits(samples, config_of(self.model))
+                check_data_fits(samples, cfg)
         full = getattr(dm, "full", None)
         if full is not None and hasattr(full, "index") and hasattr(self.model, "base_forward"):
             from nemo_spec.training.offline import check_model

@@ -128,13 +128,16 @@ def read_index(offline_dir: str | os.PathLike) -> Dict[str, Any]:
 
 
 def check_model(index: Dict[str, Any], model: torch.nn.Module, offline_dir: str | os.PathLike) -> None:
-    """Refuse stored states another model made: its algorithm, aux layers, hidden size or vocabulary differ from
-    ``model``'s (a SpeculativeGPT), which would train on the wrong layers' states or fail deep inside a matmul."""
+    """Refuse stored states that lack what ``model`` (a SpeculativeGPT) reads: another hidden size or vocabulary,
+    or — for a draft that reads auxiliary layers — other layers' states (which it would train on silently). States
+    of another algorithm serve a draft that needs only the final hidden state (EAGLE-1, Medusa)."""
     cfg = model.model_config
-    now = {"algorithm": getattr(model, "algorithm", None), "aux_layers": list(getattr(model, "aux_layers", [])),
-           "hidden_size": int(cfg.hidden_size), "vocab_size": int(cfg.vocab_size)}
-    diff = [f"{k}={index.get(k)!r} there, {v!r} in this model" for k, v in now.items()
-            if k in index and index[k] != v]
+    need = list(getattr(model, "aux_layers", []))
+    diff = [f"{k}={index.get(k)!r} there, {v!r} in this model" for k, v in
+            (("hidden_size", int(cfg.hidden_size)), ("vocab_size", int(cfg.vocab_size))) if k in index and index[k] != v]
+    if need and "aux_layers" in index and list(index["aux_layers"]) != need:
+        diff.append(f"aux_layers={index['aux_layers']!r} there, {need!r} read by this {getattr(model, 'algorithm', '')} "
+                    f"draft")
     if diff:
         raise OfflineDataError(f"{Path(offline_dir) / 'index.json'}: the stored base states were made for another "
                                f"model ({'; '.join(diff)}); precompute them again for this one (delete the directory "
@@ -148,6 +151,9 @@ def check_source(index: Dict[str, Any], source: Dict[str, Any], offline_dir: str
     if not isinstance(saved, dict):
         return
     now = json.loads(json.dumps(source))
+    if now.get("data.path") is None:  # training from the stored states alone: only the base must match
+        saved = {k: v for k, v in saved.items() if not k.startswith("data.")}
+        now = {k: v for k, v in now.items() if not k.startswith("data.")}
     diff = [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
     if diff:

@@ -194,7 +194,8 @@ def check_resume_settings(resume: str, cfg: TrainConfig, global_batch: int) -> N
         shown = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in diff[:4])
         raise ConfigError(f"resume={resume}: this run's settings differ from the checkpoint's ({shown}"
                           f"{'; ...' if len(diff) > 4 else ''}). Resume with the same settings, or start a new run: "
-                          f"another run_dir, or resume=null to train from scratch in this one")
+                          f"another run_dir, or resume=null to train from scratch in this one (to start from its "
+                          f"weights instead, set model_path to a checkpoint saved from it, e.g. its final/)")
 
 
 def _keep_earlier_metrics(run_dir: Path) -> None:
