@@ -236,9 +236,10 @@ def test_save_and_export_convert_another_spec_first(tmp_path):
 def test_a_sequence_parallel_base_at_tp2_gives_the_drafts_every_position():
     """Found by review: at TP=2 with sequence_parallel=True (NeMo's default at TP > 1) the captured hidden states
     were each rank's half of the sequence and the draft losses failed on shapes. Under torchrun: base outputs,
-    EAGLE-3 / EAGLE-1 / DFlash losses and draft gradients equal those without sequence parallelism."""
+    EAGLE-3 / EAGLE-1 / DFlash / Medusa / P-EAGLE losses and draft gradients equal those without sequence
+    parallelism."""
     from tests.helpers import ROOT, run_torchrun
 
     out = run_torchrun(ROOT / "tests" / "dist_scripts" / "foreign_sequence_parallel.py", [str(ROOT)], timeout=300)
-    for alg in ("eagle3", "eagle1", "dflash"):
+    for alg in ("eagle3", "eagle1", "dflash", "medusa", "peagle"):
         assert out.count(f"SEQUENCE_PARALLEL_OK {alg}") == 2, out[-2000:]

@@ -1,7 +1,7 @@
 """Under torchrun (2 procs, gloo): a megatron local-spec GPTModel at TP=2 with sequence_parallel=True (NeMo's default
 at TP > 1) as the draft's base. Its decoder's outputs are each rank's slice of the sequence and its embedding
 reduce-scatters along the sequence; the draft must still see every position: the base outputs, the draft
-training losses (EAGLE-3, EAGLE-1, DFlash) and the draft gradients equal those of the same weights without
+training losses (EAGLE-3, EAGLE-1, DFlash, Medusa, P-EAGLE) and the draft gradients equal those of the same weights without
 sequence parallelism."""
 import copy
 import sys
@@ -31,13 +31,15 @@ if __name__ == "__main__":
     torch_norm.WrappedTorchNorm.__new__ = _norm_without_sp
     parallel.initialize(tensor_parallel_size=2)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-    for alg, kw in (("eagle3", {}), ("eagle1", {}), ("dflash", {"block_size": 4, "target_layer_ids": [0]})):
+    one = {"num_eagle_layers": 1}
+    for alg, kw in (("eagle3", one), ("eagle1", one), ("dflash", {**one, "block_size": 4, "target_layer_ids": [0]}),
+                    ("medusa", {"num_medusa_heads": 2}), ("peagle", {**one, "parallel_depth": 3})):
         out = {}
         for sp in (False, True):
             gpt = local_spec_gpt(seed=3, tensor_model_parallel_size=2, sequence_parallel=sp).eval()
             base = gpt_forward(gpt, ids, aux_layers=[0, 2])
             torch.manual_seed(5)
-            spec = SpeculativeTransform(algorithm=alg, num_eagle_layers=1, **kw)(gpt)
+            spec = SpeculativeTransform(algorithm=alg, **kw)(gpt)
             loss = spec.training_losses(ids)["loss"]
             loss.backward()
             grads = {n: p.grad.clone() for n, p in spec.named_parameters() if p.grad is not None}
