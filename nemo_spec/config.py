@@ -76,6 +76,14 @@ def check_field_types(obj: Any, where: str) -> None:
             setattr(obj, f.name, _typed(getattr(obj, f.name), hints[f.name], f"{where}.{f.name}" if where else f.name))
 
 
+def setting_differences(saved: Dict[str, Any], now: Dict[str, Any], saved_as: str) -> List[str]:
+    """``'key: <saved> <saved_as>, <now> now'`` for each key (sorted) whose value differs between two flat settings
+    dicts, compared as JSON (``saved`` was read back from a file)."""
+    now = json.loads(json.dumps(now))
+    return [f"{k}: {saved.get(k)!r} {saved_as}, {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+
+
 def dataclass_from_dict(cls: type, d: Dict[str, Any], source: str = "<dict>") -> Any:
     """Build dataclass ``cls`` from a (deep-copied) dict; unknown or ill-typed fields -> ConfigError naming ``source``."""
     known = {f.name for f in dataclasses.fields(cls)}

@@ -172,8 +172,9 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
                         f"scaling) is not supported")
     hidden = count("embedding_length", required=True)
     heads = count("attention.head_count", required=True)
-    head_dim = count("attention.key_length") if get("attention.key_length") else hidden // heads
-    if hidden % heads and not get("attention.key_length"):
+    key_length = get("attention.key_length")
+    head_dim = count("attention.key_length") if key_length else hidden // heads
+    if hidden % heads and not key_length:
         raise GGUFError(f"{source}: {arch}.embedding_length={hidden} is not a multiple of "
                         f"{arch}.attention.head_count={heads} (and no {arch}.attention.key_length gives the head dim)")
     if count("attention.value_length", head_dim) != head_dim:

@@ -15,7 +15,6 @@ import torch
 
 from nemo_spec.config import ConfigError, ModelConfig
 from nemo_spec.models.gpt import gpt_forward
-from nemo_spec.models.gpt import model_config as config_of
 from nemo_spec.training.config import LossConfig, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -103,12 +102,14 @@ def check_data_fits(samples: Sequence[Any], cfg: Any) -> None:
     """ConfigError when tokenised ``samples`` hold a token id outside the model's vocabulary (a tokenizer that is
     not the base's) or, for learned positions, are longer than the model's positions (both were IndexErrors inside
     torch's embedding at the first such batch)."""
-    top = max((int(s.input_ids.max()) for s in samples if s.input_ids.numel()), default=-1)
-    if top >= cfg.vocab_size or min((int(s.input_ids.min()) for s in samples if s.input_ids.numel()), default=0) < 0:
-        raise ConfigError(f"the training data holds token id {top}, outside the base model's vocabulary [0, "
+    ids = [s.input_ids for s in samples if s.input_ids.numel()]
+    lo, hi = min((int(x.min()) for x in ids), default=0), max((int(x.max()) for x in ids), default=-1)
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = hi if hi >= cfg.vocab_size else lo
+        raise ConfigError(f"the training data holds token id {bad}, outside the base model's vocabulary [0, "
                           f"{cfg.vocab_size}): the tokenizer (tokenizer_path, or the checkpoint's tokenizer/) does "
                           f"not match the base model")
-    longest = max(int(s.input_ids.numel()) for s in samples)
+    longest = max((int(x.numel()) for x in ids), default=0)
     if cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
         raise ConfigError(f"training samples are up to {longest} tokens (data.max_seq_len) but the base model has "
                           f"{cfg.max_position_embeddings} learned positions (max_position_embeddings); lower "
@@ -308,14 +309,12 @@ class SpeculativeLightningModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Before the first step: the data must fit the model (token ids inside its vocabulary, samples within its
         learned positions); offline, the stored base states must come from this model (offline.check_model)."""
-        dm = getattr(self.trainer, "datamodule", None)
-        try:
-            cfg = config_of(self.model)
-        except AttributeError:  # a GPTModel of another layer spec trained as it is (train_base): no ModelConfig
-            from nemo_spec.models.gpt import unwrap
-            from nemo_spec.speculative.transform import model_config_from_megatron
+        from nemo_spec.models.gpt import unwrap
+        from nemo_spec.speculative.transform import model_config_from_megatron
 
-            cfg = model_config_from_megatron(unwrap(self.model))
+        dm = getattr(self.trainer, "datamodule", None)
+        gpt = unwrap(self.model)  # another layer spec's GPTModel trained as it is (train_base) has no ModelConfig
+        cfg = getattr(gpt, "nemo_spec_config", None) or model_config_from_megatron(gpt)
         for name in ("train_set", "val_set"):
             samples = getattr(getattr(dm, name, None), "samples", None)
             if samples:

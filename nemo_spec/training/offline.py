@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from nemo_spec.data.datamodule import DataParallelBatchSampler, EmptyDatasetError, split_indices
 from nemo_spec.fsutil import default_modes
+from nemo_spec.config import setting_differences
 from nemo_spec.models.gpt import GPTOutput, gather_vocab, output_logits
 
 log = logging.getLogger(__name__)
@@ -150,12 +151,11 @@ def check_source(index: Dict[str, Any], source: Dict[str, Any], offline_dir: str
     saved = index.get("source")
     if not isinstance(saved, dict):
         return
-    now = json.loads(json.dumps(source))
+    now = source
     if now.get("data.path") is None:  # training from the stored states alone: only the base must match
         saved = {k: v for k, v in saved.items() if not k.startswith("data.")}
         now = {k: v for k, v in now.items() if not k.startswith("data.")}
-    diff = [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+    diff = setting_differences(saved, now, "there")
     if diff:
         raise OfflineDataError(f"{Path(offline_dir) / 'index.json'}: the stored base states were made from other "
                                f"data or another base ({'; '.join(diff[:4])}); delete the directory to precompute "

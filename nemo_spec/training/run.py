@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from nemo_spec.config import ConfigError, dump_json
+from nemo_spec.config import ConfigError, dump_json, setting_differences
 from nemo_spec.training.callbacks import AcceptanceLengthCallback
 from nemo_spec.training.config import TrainConfig, TrainerConfig, train_config_to_dict
 from nemo_spec.training.module import SpeculativeLightningModule
@@ -43,12 +43,18 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_resolved_config(cfg: TrainConfig, run_dir: Path, yaml_text: Optional[str] = None) -> Path:
-    """Write the resolved config into the run directory (config.json, and config.yaml when given); rank 0 only."""
+def _writes_run_files() -> bool:
+    """Whether this process writes the run directory's own files (global rank 0, before or after the process
+    groups exist)."""
     from nemo_spec.parallel import is_rank_zero
 
+    return is_rank_zero() and int(os.environ.get("RANK", "0")) == 0
+
+
+def save_resolved_config(cfg: TrainConfig, run_dir: Path, yaml_text: Optional[str] = None) -> Path:
+    """Write the resolved config into the run directory (config.json, and config.yaml when given); rank 0 only."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if is_rank_zero() and int(os.environ.get("RANK", "0")) == 0:
+    if _writes_run_files():
         _atomic_write(run_dir / "config.json", dump_json(train_config_to_dict(cfg)))
         if yaml_text is not None:
             _atomic_write(run_dir / "config.yaml", yaml_text)
@@ -165,6 +171,12 @@ def _abs(path: Any) -> Any:
     return str(Path(path).expanduser().resolve()) if isinstance(path, str) and path else path
 
 
+def _data_settings(cfg: TrainConfig, keys: Tuple[str, ...]) -> Dict[str, Any]:
+    """``data.<key>`` -> value of ``keys`` (paths resolved: the same data however its path is spelt)."""
+    return {f"data.{k}": _abs(getattr(cfg.data, k)) if k in ("path", "offline_dir") else getattr(cfg.data, k)
+            for k in keys}
+
+
 def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     """What a run resumed from a training checkpoint must share with the run that wrote it, as ``section.field``
     -> value: the base, the data and its split, the draft, the loss and the optimiser, the global batch (samples
@@ -174,24 +186,24 @@ def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {"model_path": _abs(cfg.model_path), "train_base": cfg.train_base, "offline": cfg.offline}
     for sec in (("loss", "optim") if cfg.train_base else ("spec", "loss", "optim")):
         out.update({f"{sec}.{k}": v for k, v in d[sec].items()})
-    out.update({f"data.{k}": _abs(d["data"][k]) if k in ("path", "offline_dir") else d["data"][k] for k in _RESUME_DATA})
+    out.update(_data_settings(cfg, _RESUME_DATA))
     out.update({"trainer.seed": cfg.trainer.seed, "global batch (samples per optimizer step)": int(global_batch)})
     return json.loads(json.dumps(out))
 
 
-def check_resume_settings(resume: str, cfg: TrainConfig, global_batch: int) -> None:
-    """Refuse to resume ``resume`` with settings other than those it was trained with (a checkpoint from before
-    they were recorded passes): resume=auto would otherwise continue another run's draft in a shared run_dir, and
-    the optimiser would keep the checkpoint's lr while config.json shows the new one."""
+def check_resume_settings(resume: str, settings: Dict[str, Any]) -> None:
+    """Refuse to resume ``resume`` with ``settings`` (:func:`resume_settings`) other than those it was trained
+    with (a checkpoint from before they were recorded passes): resume=auto would otherwise continue another run's
+    draft in a shared run_dir, and the optimiser would keep the checkpoint's lr while config.json shows the new
+    one."""
     from nemo_spec.training.strategy import read_train_checkpoint_meta
 
     saved = read_train_checkpoint_meta(Path(resume).resolve()).get("run_settings")
     if not isinstance(saved, dict):
         return
-    now = resume_settings(cfg, global_batch)
-    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    diff = setting_differences(saved, settings, "in the checkpoint")
     if diff:
-        shown = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in diff[:4])
+        shown = "; ".join(diff[:4])
         raise ConfigError(f"resume={resume}: this run's settings differ from the checkpoint's ({shown}"
                           f"{'; ...' if len(diff) > 4 else ''}). Resume with the same settings, or start a new run: "
                           f"another run_dir, or resume=null to train from scratch in this one (to start from its "
@@ -228,9 +240,10 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     dp = planned_dp_size(t.tensor_parallel_size, t.expert_parallel_size)
     accumulate = t.accumulation(dp)
     global_batch = t.train_bs * dp * accumulate
+    settings = resume_settings(cfg, global_batch)
     resume = resolve_resume(cfg, ckpt_dir)
     if resume is not None:  # before anything is written into the run directory
-        check_resume_settings(resume, cfg, global_batch)
+        check_resume_settings(resume, settings)
     save_resolved_config(cfg, run_dir, yaml_text)
     from nemo_spec import parallel
 
@@ -252,9 +265,7 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     elif cfg.tokenizer_path:
         tok_dir = cfg.tokenizer_path
     need_precompute = cfg.offline and not (Path(cfg.data.offline_dir) / "index.json").exists()
-    offline_source = {"model_path": _abs(cfg.model_path),
-                      **{f"data.{k}": _abs(getattr(cfg.data, k)) if k == "path" else getattr(cfg.data, k)
-                         for k in _OFFLINE_DATA}}
+    offline_source = {"model_path": _abs(cfg.model_path), **_data_settings(cfg, _OFFLINE_DATA)}
     if cfg.offline and not need_precompute:
         from nemo_spec.training.offline import check_source, read_index
 
@@ -300,12 +311,12 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
         tau_cb = AcceptanceLengthCallback(lambda: datamodule.val_prompts(t.acceptance_prompts),
                                           depth=t.acceptance_depth, max_new_tokens=t.acceptance_new_tokens)
         callbacks.append(tau_cb)
-    if resume is not None and parallel.is_rank_zero() and int(os.environ.get("RANK", "0")) == 0:
+    if resume is not None and _writes_run_files():
         _keep_earlier_metrics(run_dir)
     trainer = build_trainer(t, run_dir, accumulate, callbacks, checkpoint_dir=ckpt_dir)
-    trainer.strategy.run_settings = resume_settings(cfg, global_batch)
+    trainer.strategy.run_settings = settings
     log.info("training: dp=%d tp=%d ep=%d micro-batch=%d accumulation=%d global batch=%d max_steps=%d resume=%s",
-             dp, t.tensor_parallel_size, t.expert_parallel_size, t.train_bs, accumulate, t.train_bs * dp * accumulate, t.max_steps, resume)
+             dp, t.tensor_parallel_size, t.expert_parallel_size, t.train_bs, accumulate, global_batch, t.max_steps, resume)
     with warnings.catch_warnings():
         # The data position is restored by SpeculativeLightningModule (sampler skip), not by Lightning.
         warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
