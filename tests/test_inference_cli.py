@@ -127,6 +127,38 @@ def test_cli_errors(ckpt, tmp_path):
     assert out.getvalue() == ""
 
 
+def test_benchmark_cli_errors_before_loading(ckpt, tmp_path, monkeypatch):
+    """Bad numbers, paths and prompt files are one-line errors before any checkpoint loads (a malformed JSONL
+    prompt line was a raw KeyError / JSONDecodeError, --repeats 0 ran one round, a missing --model said 'no
+    tokenizer found', and batch sizes were checked only after the model had loaded)."""
+    import nemo_spec.checkpoint
+
+    path, _, _ = ckpt
+
+    def no_load(*a, **k):
+        raise AssertionError("a checkpoint was loaded before the arguments were checked")
+
+    monkeypatch.setattr(nemo_spec.checkpoint, "load_model", no_load)
+    (tmp_path / "p.jsonl").write_text('the cat\n{"text": "x"}\n')
+    (tmp_path / "q.jsonl").write_text('{"prompt": "x"\n')
+    (tmp_path / "r.txt").write_bytes(b"\xff\xfe the cat\n")
+    base = ["--model", str(path), "--no-hf", "--out-dir", str(tmp_path / "out")]
+    for extra, msg in [(["--prompt-file", str(tmp_path / "p.jsonl")], r"p.jsonl:2: expected a JSON object with a 'prompt'"),
+                       (["--prompt-file", str(tmp_path / "q.jsonl")], r"q.jsonl:1: expected a JSON object"),
+                       (["--prompt-file", str(tmp_path / "r.txt")], "is not UTF-8 text"),
+                       (["--prompt-file", str(tmp_path / "none.txt")], "does not exist"),
+                       (["--repeats", "0"], "--repeats must be >= 1"),
+                       (["--warm-prompts", "-1"], "--warm-prompts must be >= 0"),
+                       (["--batch-sizes", "1", "0"], "--batch-sizes must all be >= 1"),
+                       (["--chain-lengths", "0"], "--chain-lengths must all be >= 1"),
+                       (["--draft-model", str(tmp_path / "missing")], "--draft-model .*missing: no such checkpoint"),
+                       (["--extra-models", str(path), str(tmp_path / "gone")], "--extra-models .*gone: no such")]:
+        with pytest.raises(SamplingError, match=msg):
+            bench.main(base + extra)
+    with pytest.raises(SamplingError, match="--model .*missing: no such checkpoint directory"):
+        bench.main(["--model", str(tmp_path / "missing")])
+
+
 def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
     from nemo_spec.checkpoint import load_model
 

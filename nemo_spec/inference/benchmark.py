@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -711,6 +712,23 @@ def build_parser():
     return p
 
 
+def _check_args(args: Any) -> None:
+    """The CLI's numbers and paths, checked before any checkpoint is loaded."""
+    for name in ("num_prompts", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise SamplingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warm_prompts < 0:
+        raise SamplingError(f"--warm-prompts must be >= 0, got {args.warm_prompts}")
+    for name in ("batch_sizes", "chain_lengths", "draft_prompt_tokens", "forward_rows"):
+        bad = [v for v in getattr(args, name) or () if v < 1]
+        if bad:
+            raise SamplingError(f"--{name.replace('_', '-')} must all be >= 1, got {getattr(args, name)}")
+    for flag, path in [("--model", args.model), ("--draft-model", args.draft_model),
+                       *[("--extra-models", p) for p in args.extra_models]]:
+        if path is not None and not os.path.exists(path):
+            raise SamplingError(f"{flag} {path}: no such checkpoint directory")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark CLI; writes JSON/markdown/PNG and prints the table."""
     import sys
@@ -718,21 +736,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from nemo_spec import parallel
     from nemo_spec.checkpoint import find_tokenizer_dir, load_model
     from nemo_spec.data.chat import load_tokenizer
+    from nemo_spec.inference.cli import read_prompt_file
 
     args = build_parser().parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise SamplingError("--num-prompts and --max-new-tokens must be >= 1")
+    _check_args(args)
     tok_path = args.tokenizer or find_tokenizer_dir(args.model)
     if tok_path is None:
         raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")
     tokenizer = load_tokenizer(tok_path)
     if args.prompt_file:
-        texts = []
-        for line in Path(args.prompt_file).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                texts.append(str(json.loads(line)["prompt"]) if line.lstrip().startswith("{")
-                             else line.replace("\\n", "\n"))
-        texts = texts[: args.num_prompts + args.warm_prompts]
+        texts = read_prompt_file(args.prompt_file)[: args.num_prompts + args.warm_prompts]
     else:
         texts = default_prompts(args.num_prompts + args.warm_prompts)
     prompts = [tokenizer.encode(t, add_special_tokens=False) or [0] for t in texts]

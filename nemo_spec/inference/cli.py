@@ -82,23 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_prompt_file(path: Any) -> List[str]:
+    """Prompts of a --prompt-file: one per line (``\\n`` for a newline) or JSONL objects with a 'prompt' field."""
+    path = Path(path)
+    if not path.is_file():
+        raise SamplingError(f"--prompt-file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SamplingError(f"--prompt-file {path} is not UTF-8 text ({e})") from e
+    prompts = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+                prompts.append(str(obj["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SamplingError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field ({e!r})") from e
+        else:
+            prompts.append(line.replace("\\n", "\n"))
+    return prompts
+
+
 def read_prompts(args: argparse.Namespace, stdin: TextIO) -> List[str]:
     """Prompts from positional arguments, --prompt-file, or stdin."""
     prompts = [a for a in args.prompts if a != "-"]
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise SamplingError(f"--prompt-file {path} does not exist")
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    prompts.append(str(json.loads(line)["prompt"]))
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise SamplingError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field ({e})") from e
-            else:
-                prompts.append(line.replace("\\n", "\n"))
+        prompts += read_prompt_file(args.prompt_file)
     if not prompts or "-" in args.prompts:
         prompts += [line.replace("\\n", "\n") for line in stdin.read().splitlines() if line.strip()]
     if not prompts:
