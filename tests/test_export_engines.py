@@ -15,13 +15,26 @@ from tests.export_utils import make_model
 
 IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
 
-CASES = {  # name -> (alg, transform kwargs, base num_layers)
-    "eagle3_reduced": ("eagle3", {}, 4),
-    "eagle3_full_2layers": ("eagle3", dict(draft_vocab_size=None, num_eagle_layers=2), 4),
-    "eagle3_repeated_aux": ("eagle3", dict(aux_layers=[1, 1, 0]), 4),
-    "eagle3_reference_aux": ("eagle3", dict(aux_layers=[1, 3, 4]), 8),
-    "eagle1": ("eagle1", {}, 4),
-    "medusa": ("medusa", {}, 4),
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # wavelengths over 16 and 64 positions: all three regimes
+CASES = {  # name -> (alg, transform kwargs, base config kwargs)
+    "eagle3_reduced": ("eagle3", {}, {}),
+    "eagle3_full_2layers": ("eagle3", dict(draft_vocab_size=None, num_eagle_layers=2), {}),
+    "eagle3_repeated_aux": ("eagle3", dict(aux_layers=[1, 1, 0]), {}),
+    "eagle3_reference_aux": ("eagle3", dict(aux_layers=[1, 3, 4]), dict(num_layers=8)),
+    "eagle1": ("eagle1", {}, {}),
+    "medusa": ("medusa", {}, {}),
+    # a Qwen2-style base (q/k/v biases): vLLM's o_proj then has a bias too, left torch.empty unless written
+    "eagle3_qkv_bias": ("eagle3", {}, dict(add_qkv_bias=True)),
+    "eagle1_qkv_bias": ("eagle1", {}, dict(add_qkv_bias=True)),
+    # RoPE scaling (Llama 3.x): every reader rotates like the engine; EaModel's draft takes linear only
+    "eagle3_llama3_rope": ("eagle3", dict(aux_layers=[1, 3, 4]), dict(num_layers=8, rope_scaling=LLAMA3_ROPE)),
+    "eagle3_linear_rope": ("eagle3", dict(aux_layers=[1, 3, 4]),
+                           dict(num_layers=8, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "eagle1_linear_rope_theta": ("eagle1", {}, dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                    rope_theta=5e5)),
+    # one captured layer: SGLang skips fc (features no wider than the embedding)
+    "eagle3_single_aux": ("eagle3", dict(aux_layers=[2, 2, 2]), {}),
 }
 EXPECT = {  # engines that must verify ok; the others must say 'unsupported' with a reason
     "eagle3_reduced": {"vllm", "sglang", "trtllm"},
@@ -30,16 +43,22 @@ EXPECT = {  # engines that must verify ok; the others must say 'unsupported' wit
     "eagle3_reference_aux": {"vllm", "sglang", "trtllm", "reference"},
     "eagle1": {"vllm", "sglang", "reference"},
     "medusa": {"reference"},
+    "eagle3_qkv_bias": {"vllm"},
+    "eagle1_qkv_bias": {"vllm", "sglang", "reference"},
+    "eagle3_llama3_rope": {"vllm", "sglang", "trtllm"},
+    "eagle3_linear_rope": {"vllm", "sglang", "trtllm", "reference"},
+    "eagle1_linear_rope_theta": {"vllm", "sglang"},
+    "eagle3_single_aux": {"vllm"},
 }
 
 
 def _model(name):
-    alg, kw, layers = CASES[name]
-    if layers != 4:
+    alg, kw, base_kw = CASES[name]
+    if base_kw:
         import tests.export_utils as eu
 
         orig = eu.base_config
-        eu.base_config = lambda **k: orig(num_layers=layers, **k)
+        eu.base_config = lambda **k: orig(**base_kw, **k)
         try:
             return make_model(alg, **kw).eval()
         finally:
@@ -292,3 +311,23 @@ def test_draft_vocab_counts_loss_masked_targets_only():
     D.samples.append(S([3, 16], [1, 1]))
     with pytest.raises(ValueError, match="token id 16 outside the base vocabulary"):
         token_counts(D(), 16)  # used to be clamped into id 15
+
+
+@pytest.mark.parametrize("alg", ["peagle", "dflash"])
+def test_parallel_drafts_on_a_biased_rope_scaled_base_verify_in_their_engines(alg, tmp_path):
+    """P-EAGLE (vLLM, through the EAGLE-3 writer: o_proj biases) and DFlash (every engine: rotated like the
+    engine's llama3 RoPE) export on a Qwen2-style base with Llama-3 RoPE scaling and verify exactly (an export
+    whose verification fails is refused, so export_model returning is the check; the rows say which engines)."""
+    from tests.helpers import tiny_llama
+    from tests.speculative_utils import make_spec
+
+    m = make_spec(tiny_llama(num_layers=8, add_qkv_bias=True, rope_scaling=LLAMA3_ROPE), alg).eval()
+    exp = export_model(m, tmp_path / alg, dtype="fp32", target="all", verify=True)
+    rows = {r.engine: r for r in verify_export(exp, model=m, seq_len=11)}
+    ok = {e for e, r in rows.items() if r.status == "ok"}
+    assert ok == ({"base", "vllm"} if alg == "peagle" else {"base", "vllm", "sglang", "reference"}), format_table(
+        list(rows.values()))
+    assert all(r.max_abs_diff < 1e-4 for r in rows.values() if r.status == "ok")
+    if alg == "peagle":
+        w = load_file(str(exp / "draft" / "vllm" / "model.safetensors"))
+        assert all(torch.equal(w[f"layers.{i}.self_attn.o_proj.bias"], torch.zeros(64)) for i in range(2))

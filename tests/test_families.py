@@ -235,6 +235,8 @@ def test_readme_table_matches_the_declarations():
     for fam in families.FAMILIES:  # the declared engines agree with the reference reader's base rule
         if fam.model_type != "gpt2":
             assert ("reference" in fam.limits.engines) == (base_unsupported(fam.architecture) is None), fam
+            assert ("EAGLE-1 only" in fam.limits.engines) == (base_unsupported(fam.architecture, "eagle3") is not None
+                                                             and base_unsupported(fam.architecture) is None), fam
 
 
 def test_bad_expert_parallel_configs_name_the_problem(hf_dirs, monkeypatch):

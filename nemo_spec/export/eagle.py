@@ -105,6 +105,26 @@ def _rope_scaling(cfg: ModelConfig) -> Dict[str, Any] | None:
     return d
 
 
+def _reference_rope(cfg: ModelConfig) -> Tuple[Dict[str, Any] | None, str | None]:
+    """(rope_scaling for EaModel's draft config, why it cannot rotate like this base): EConfig takes None or exactly
+    {type: linear|dynamic, factor: float > 1} (eagle/model/configs.py:126-145), and its scaled draft rotary ignores
+    rope_theta (built with base 10000: cnets.py:225-231, cnets1.py:230-236)."""
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    factor = float(sc.get("factor", 1.0))
+    if kind == "default" or (kind == "linear" and factor == 1.0):
+        return None, None
+    if kind != "linear":
+        return None, (f"EaModel's draft config takes rope_scaling of type linear or dynamic only "
+                      f"(eagle/model/configs.py:138-142); this base has {kind!r}")
+    if factor < 1.0:
+        return None, f"EaModel's draft config takes a linear rope_scaling factor > 1 (configs.py:143-145), got {factor}"
+    if cfg.rope_theta != 10000.0:
+        return None, (f"EaModel builds a scaled draft rotary with base 10000 whatever rope_theta (cnets.py:225-231); "
+                      f"this base has rope_theta={cfg.rope_theta}")
+    return {"type": "linear", "factor": factor}, None
+
+
 def _warn_reference_head_dim(cfg: ModelConfig) -> None:
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         log.warning("head_dim=%d != hidden_size/num_attention_heads: vLLM and SGLang read head_dim from the config, "
@@ -166,6 +186,9 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
                     f"(srt/models/llama.py:486-493, 941); use aux_layers below {cfg.num_layers - 1}")
         if cfg.add_qkv_bias:
             return "SGLang builds the EAGLE-3 qkv without bias (srt/models/llama_eagle3.py:67-75)"
+        if len(aux) == 1:
+            return (f"SGLang applies fc only to features wider than the embedding (srt/models/llama_eagle3.py:"
+                    f"238-247): with the single captured layer {aux} its draft skips this draft's fc")
     if engine == "trtllm":  # TensorRT-LLM @ b35ac1b64368, see nemo_spec.export.engines.trtllm
         if cfg.add_qkv_bias:
             return ("TensorRT-LLM's Eagle3 attention takes one attention_bias for q/k/v and o_proj "
@@ -176,7 +199,7 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
     if engine == "reference":
         from nemo_spec.checkpoint.families import family_for_export
 
-        why = reference.base_unsupported(family_for_export(cfg).architecture)
+        why = reference.base_unsupported(family_for_export(cfg).architecture, "eagle3") or _reference_rope(cfg)[1]
         if why:
             return why
         if spec.num_eagle_layers > 1:
@@ -221,6 +244,10 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
             for x in "qkv":
                 wt = layer[f"{dst}self_attn.{x}_proj.weight"]
                 layer[f"{dst}self_attn.{x}_proj.weight"] = torch.cat([torch.zeros_like(wt), wt], dim=1)
+        if engine == "vllm" and cfg.add_qkv_bias:
+            # vLLM builds o_proj with a bias whenever attention_bias is set (llama.py:267-271) and leaves an
+            # absent one as torch.empty (load_weights checks nothing): our o_proj has none, so zeros
+            layer[dst + "self_attn.o_proj.bias"] = torch.zeros(h, dtype=layer[dst + "self_attn.o_proj.weight"].dtype)
         out.update(layer)
     first = prefixes[0]
     out[first + "hidden_norm.weight"] = _need(neutral, "layers.0.hidden_norm.weight")
@@ -253,6 +280,8 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(uniq), "use_aux_hidden_state": True}
     elif engine == "trtllm":  # EagleDecodingConfig.eagle3_layers_to_capture: 0-based layer outputs (engines.trtllm)
         launch["eagle3_layers_to_capture"] = list(uniq)
+    elif engine == "reference":
+        conf["rope_scaling"] = _reference_rope(cfg)[0]
     conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq), "engine": engine}
     if uniq != list(aux):
         log.info("EAGLE-3 aux layers %s written as the distinct sorted layers %s (fc columns merged/reordered: "
@@ -351,6 +380,8 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
                           "straight to the base lm_head) cannot represent")
     if engine == "reference" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ExportError("EAGLE-1 export for reference: EaModel assumes head_dim = hidden_size / num_heads")
+    if engine == "reference" and _reference_rope(cfg)[1]:
+        raise ExportError(f"EAGLE-1 export for reference: {_reference_rope(cfg)[1]}")
     out: Dict[str, torch.Tensor] = {"embed_tokens.weight": embedding, "fc.weight": _need(neutral, "fc.weight")}
     bias = neutral.get("fc.bias")
     for i in range(n_layers):
@@ -359,6 +390,7 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     qkv_bias = bool(cfg.add_qkv_bias)
     conf["attention_bias"] = qkv_bias
     if engine == "reference":
+        conf["rope_scaling"] = _reference_rope(cfg)[0]
         conf["bias"] = bias is not None
         conf.pop("attention_bias")
         if qkv_bias:

@@ -10,8 +10,10 @@ from nemo_spec.config import ModelConfig
 
 ARCH = "LlamaForCausalLM"
 #: engines whose conformance readers verify EAGLE drafts on this base (export.engines; the reference code, EaModel,
-#: runs Llama, Qwen2, Qwen3 and Mixtral bases only: export/engines/reference.py BASE_ARCHITECTURES)
+#: runs Llama, Qwen2, Qwen3 and Mixtral bases only, and EAGLE-3 drafts on Llama and Qwen3 only:
+#: export/engines/reference.py BASE_ARCHITECTURES, EAGLE3_BASE_ARCHITECTURES)
 ENGINES = "vllm, sglang, trtllm, reference"
+ENGINES_REFERENCE_EAGLE1 = "vllm, sglang, trtllm, reference (EAGLE-1 only)"
 ENGINES_NO_REFERENCE = "vllm, sglang, trtllm"
 
 

@@ -6,7 +6,7 @@ from typing import Any, Dict, Mapping
 
 from nemo_spec.checkpoint.families import _llama_like as L
 from nemo_spec.checkpoint.families._base import Family, Limits, WeightMap, is_, is_none
-from nemo_spec.checkpoint.families.llama import ENGINES
+from nemo_spec.checkpoint.families.llama import ENGINES_REFERENCE_EAGLE1
 from nemo_spec.config import ModelConfig
 
 ARCH = "Qwen2ForCausalLM"
@@ -30,6 +30,6 @@ FAMILY = Family(
               ("add_qkv_bias", is_(True), "True"), ("add_bias_linear", is_(False), "False"),
               ("qk_layernorm", is_(False), "False"), ("num_moe_experts", is_none, "None")),
     auto=lambda c: c.add_qkv_bias and not c.add_bias_linear and not c.qk_layernorm,
-    limits=Limits(sliding_window="per layer (layer_types / max_window_layers)", engines=ENGINES,
+    limits=Limits(sliding_window="per layer (layer_types / max_window_layers)", engines=ENGINES_REFERENCE_EAGLE1,
                   notes="q/k/v bias: SGLang/TRT-LLM EAGLE-3 drafts have none (reported unsupported)"),
 )

@@ -35,8 +35,10 @@ def eagle3_forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tens
 
 
 def eagle1_forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tensor, hidden: torch.Tensor,
-                   fc_bias: bool, attn_bias: bool, embed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """EAGLE-1 draft hidden: fc(cat(emb, hidden)) then Llama layers, layer 0 without input norm, no final norm."""
+                   fc_bias: bool, attn_bias: bool, embed: Optional[torch.Tensor] = None,
+                   o_bias: Optional[bool] = None) -> torch.Tensor:
+    """EAGLE-1 draft hidden: fc(cat(emb, hidden)) then Llama layers, layer 0 without input norm, no final norm.
+    ``attn_bias``: q/k/v biases; ``o_bias``: o_proj bias (default: the same)."""
     eps = float(conf["rms_norm_eps"])
     hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
     h = torch.cat([emb, hidden], -1) @ w["fc.weight"].T
@@ -45,7 +47,7 @@ def eagle1_forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tens
     for i in range(int(conf["num_hidden_layers"])):
         p = f"layers.{i}."
         x = h if i == 0 else rms(h, w[p + "input_layernorm.weight"], eps)
-        h = h + attention(x, w, p, conf, hd, attn_bias, attn_bias)
+        h = h + attention(x, w, p, conf, hd, attn_bias, attn_bias if o_bias is None else o_bias)
         h = h + mlp(rms(h, w[p + "post_attention_layernorm.weight"], eps), w, p)
     return h
 

@@ -16,6 +16,7 @@ renormalised for Mixtral and Qwen3-MoE ``norm_topk_prob``; transformers modeling
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
@@ -58,22 +59,52 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    d, s = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv
-    cos = torch.cat([ang.cos(), ang.cos()], -1).float()
-    sin = torch.cat([ang.sin(), ang.sin()], -1).float()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+@dataclass(frozen=True)
+class Rope:
+    """A draft config's RoPE: base ``theta`` and its ``rope_scaling`` (None: default)."""
+    theta: float
+    scaling: Optional[Mapping] = None
+
+    def inv_freq(self, d: int) -> torch.Tensor:
+        """Inverse frequencies (float64) as vLLM 0.33.0 computes them (SGLang 0.5.23 the same formulas,
+        srt/layers/rotary_embedding/rope_variant.py:557): default ``base ** (-2i/d)``; ``linear`` divides the
+        positions by ``factor`` (rotary_embedding/linear_scaling_rope.py:91-92), i.e. the frequencies; ``llama3``
+        keeps wavelengths under ``orig/high_freq_factor``, divides those over ``orig/low_freq_factor`` by
+        ``factor`` and blends between (rotary_embedding/llama3_rope.py:33-54)."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
+        if kind == "default":
+            return inv
+        factor = float(self.scaling["factor"])
+        if kind == "linear":
+            return inv / factor
+        low, high = float(self.scaling["low_freq_factor"]), float(self.scaling["high_freq_factor"])
+        orig = float(self.scaling["original_max_position_embeddings"])
+        wave = 2 * math.pi / inv
+        smooth = (orig / wave - low) / (high - low) if low != high else torch.zeros_like(inv)
+        return torch.where(wave < orig / high, inv,
+                           torch.where(wave > orig / low, inv / factor, (1 - smooth) * inv / factor + smooth * inv))
+
+    def rotate(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rotate-half RoPE of x [..., n, d] at positions ``pos`` [n] (default 0..n-1)."""
+        d, n = x.shape[-1], x.shape[-2]
+        pos = torch.arange(n) if pos is None else pos
+        ang = pos.to(torch.float64)[:, None] * self.inv_freq(d)
+        cos = torch.cat([ang.cos(), ang.cos()], -1).float()
+        sin = torch.cat([ang.sin(), ang.sin()], -1).float()
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def check_rope(conf: Mapping) -> float:
-    """rope_theta of a config whose RoPE the readers implement (default rope only)."""
-    scaling = conf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise Unsupported(f"the conformance readers implement default RoPE only, config has rope_scaling={scaling}")
-    return float(conf.get("rope_theta", (conf.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+def check_rope(conf: Mapping) -> Rope:
+    """The RoPE of a config, where the readers implement its type (default, linear, llama3)."""
+    scaling = conf.get("rope_scaling") or None
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise Unsupported(f"the conformance readers implement default, linear and llama3 RoPE; config has "
+                          f"rope_scaling={scaling}")
+    theta = float(conf.get("rope_theta", (conf.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    return Rope(theta, None if kind == "default" else scaling)
 
 
 def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapping, head_dim: int,
@@ -93,9 +124,9 @@ def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapp
             y = rms(y, w[norm], float(conf["rms_norm_eps"]))
         return y.transpose(1, 2)
 
-    theta = check_rope(conf)
+    rope = check_rope(conf)
     q, k, v = proj("q_proj", nh, qkv_bias), proj("k_proj", ng, qkv_bias), proj("v_proj", ng, qkv_bias)
-    q, k = _rope(q, theta), _rope(k, theta)
+    q, k = rope.rotate(q), rope.rotate(k)
     k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)
     att = (q @ k.transpose(-1, -2)) / head_dim ** 0.5
     allowed = torch.ones(s, s, dtype=torch.bool).tril()

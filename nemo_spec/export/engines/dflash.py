@@ -26,13 +26,14 @@ causality switches, the mask token lookup, a draft ``mask_hidden`` (vLLM asserts
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from nemo_spec.export.engines._llama import (
-    BaseRun, EngineMismatch, check_rope, mlp, read_config, read_dir, require, rms,
+    BaseRun, EngineMismatch, Rope, check_rope, mlp, read_config, read_dir, require, rms,
 )
 
 ARCH = "DFlashDraftModel"
@@ -49,20 +50,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> Lis
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE of x [b, heads, n, d] at positions pos [n] (neox style: vLLM qwen3_dflash.py:330-331,
-    SGLang ``rope_is_neox_style`` default True, models/dflash.py:265-269; HF rotate_half)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos.to(torch.float64)[:, None] * inv
-    cos = torch.cat([ang.cos(), ang.cos()], -1).float()
-    sin = torch.cat([ang.sin(), ang.sin()], -1).float()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def _forward(w: Mapping[str, torch.Tensor], conf: Mapping[str, Any], features: torch.Tensor, block: torch.Tensor,
-             embed: torch.Tensor, lm_head: torch.Tensor, causal: bool, theta: float) -> torch.Tensor:
+             embed: torch.Tensor, lm_head: torch.Tensor, causal: bool, rope: Rope) -> torch.Tensor:
     """The draft forward above: features [b, S, F] (positions 0..S-1), block tokens [b, q] (positions S..S+q-1)."""
     eps = float(conf["rms_norm_eps"])
     nh, ng = int(conf["num_attention_heads"]), int(conf["num_key_value_heads"])
@@ -86,8 +75,10 @@ def _forward(w: Mapping[str, torch.Tensor], conf: Mapping[str, Any], features: t
         q = rms(q, w[p + "self_attn.q_norm.weight"], eps).transpose(1, 2)
         k = rms(k, w[p + "self_attn.k_norm.weight"], eps).transpose(1, 2)
         v = v.transpose(1, 2)
-        q = _rope_at(q, pos_q, theta)
-        k = _rope_at(k, torch.cat([pos_c, pos_q]), theta)
+        # rotate-half RoPE (neox style: vLLM qwen3_dflash.py:330-331, SGLang ``rope_is_neox_style`` default True,
+        # models/dflash.py:265-269; HF rotate_half)
+        q = rope.rotate(q, pos_q)
+        k = rope.rotate(k, torch.cat([pos_c, pos_q]))
         k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)
         att = (q @ k.transpose(-1, -2)) / hd ** 0.5
         att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
@@ -154,7 +145,7 @@ def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor
     vocab = int(base.embed.shape[0])
     n = int(conf["num_hidden_layers"])
     b, s = ids.shape
-    theta = check_rope(conf)
+    rope = check_rope(conf)
     if engine == "reference":
         _check_arch(conf, engine, "model.py:302")
         tids = dc.get("target_layer_ids") or build_target_layer_ids(int(conf["num_target_layers"]), n)  # :312-314
@@ -196,7 +187,8 @@ def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor
             types = conf.get("layer_types")
             causal = bool(types) and types[0] == "sliding_attention"
         if "rope_theta" not in conf and "rope_parameters" not in conf:
-            theta = 1e6  # set_default_rope_theta(config, default_theta=1000000), qwen3_dflash.py:311
+            # set_default_rope_theta(config, default_theta=1000000), qwen3_dflash.py:311
+            rope = dataclasses.replace(rope, theta=1e6)
     else:
         raise EngineMismatch(f"no DFlash reader for engine {engine!r}")
     w = _weights(draft_dir, conf, engine)
@@ -213,7 +205,7 @@ def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor
     features = _features(base, stream, engine, s, post_last)
     block = torch.full((b, block_size), mask_id, dtype=ids.dtype)
     block[:, 0] = ids[:, s - 1]
-    return _forward(w, conf, features, block, embed, head, bool(causal), theta)
+    return _forward(w, conf, features, block, embed, head, bool(causal), rope)
 
 
 def launch_command(engine: str, base_dir: Path, draft_dir: Path, block_size: int = 16) -> str:

@@ -40,17 +40,43 @@ def capture_layers(num_layers: int) -> list:
 BASE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
 
 
-def base_unsupported(architecture: str) -> Optional[str]:
-    """Why EaModel cannot run a base of ``architecture`` (None when it can)."""
-    if architecture in BASE_ARCHITECTURES:
-        return None
-    return (f"EaModel.from_pretrained (ea_model.py) loads {architecture} as its KV Mixtral: base architectures "
-            f"{list(BASE_ARCHITECTURES)} only")
+#: the KV models that hand EAGLE-3 its three aux states (modeling_llama_kv.py:1138-1139, modeling_qwen3_kv.py:
+#: 582-583); the Qwen2 and Mixtral KV models collect hidden states only under output_hidden_states
+#: (modeling_qwen2_kv.py:913-914, modeling_mixtral_kv.py:868-869), which utils.py:250-252 never sets
+EAGLE3_BASE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
-def _check_base(base: BaseRun) -> None:
+def base_unsupported(architecture: str, fmt: str = "eagle1") -> Optional[str]:
+    """Why EaModel cannot run a ``fmt`` draft on a base of ``architecture`` (None when it can)."""
+    if architecture not in BASE_ARCHITECTURES:
+        return (f"EaModel.from_pretrained (ea_model.py) loads {architecture} as its KV Mixtral: base architectures "
+                f"{list(BASE_ARCHITECTURES)} only")
+    if fmt == "eagle3" and architecture not in EAGLE3_BASE_ARCHITECTURES:
+        return (f"EaModel's KV {architecture} does not collect the EAGLE-3 aux hidden states (only the Llama and "
+                f"Qwen3 KV models do: modeling_llama_kv.py:1138-1139, modeling_qwen3_kv.py:582-583)")
+    return None
+
+
+def draft_rope_conf(conf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The draft config as EaModel's draft rotates: EConfig takes ``rope_scaling`` None or exactly {type: linear |
+    dynamic, factor: float > 1} (eagle/model/configs.py:126-145), and a scaled draft rotary is built without the
+    config's base, i.e. theta 10000 (cnets.py:225-231, cnets1.py:230-236; LlamaLinearScalingRotaryEmbedding
+    base=10000, cnets.py:149)."""
+    sc = conf.get("rope_scaling")
+    if sc is None:
+        return conf
+    if (not isinstance(sc, dict) or len(sc) != 2 or sc.get("type") not in ("linear", "dynamic")
+            or not isinstance(sc.get("factor"), float) or sc["factor"] <= 1.0):
+        raise EngineMismatch(f"reference: EConfig refuses rope_scaling={sc}: it takes exactly {{type: linear|dynamic, "
+                             f"factor: float > 1}} (eagle/model/configs.py:126-145)")
+    if sc["type"] == "dynamic":
+        raise Unsupported("reference: dynamic NTK RoPE is not implemented by this reader")
+    return dict(conf, rope_theta=10000.0)
+
+
+def _check_base(base: BaseRun, fmt: str) -> None:
     arch = (base.config.get("architectures") or ["LlamaForCausalLM"])[0]
-    why = base_unsupported(arch)
+    why = base_unsupported(arch, fmt)
     if why:
         raise Unsupported(f"reference: {why}")
 
@@ -62,8 +88,8 @@ def _weights(draft_dir: Path) -> dict:
 
 def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Mapping[str, Any]) -> torch.Tensor:
     """Draft logits [b, s-1, V] EaModel(use_eagle3=True) computes."""
-    _check_base(base)
-    conf = read_config(draft_dir)
+    _check_base(base, "eagle3")
+    conf = draft_rope_conf(read_config(draft_dir))
     w = _weights(draft_dir)
     h, nh = int(conf["hidden_size"]), int(conf["num_attention_heads"])
     if int(conf.get("head_dim") or h // nh) * nh != h:
@@ -99,8 +125,8 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
 
 def eagle1_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Mapping[str, Any]) -> torch.Tensor:
     """EAGLE-1 logits [b, s-1, V] EaModel(use_eagle3=False) computes (cnets1.py Model, the base lm_head)."""
-    _check_base(base)
-    conf = read_config(draft_dir)
+    _check_base(base, "eagle1")
+    conf = draft_rope_conf(read_config(draft_dir))
     w = _weights(draft_dir)
     fc_bias = bool(conf.get("bias", True))  # ea_model.py:49-54: config "bias", default True; cnets1.py:524
     qkv_bias = bool(conf.get("qkv_bias", False))  # cnets1.py:209-216
@@ -112,7 +138,9 @@ def eagle1_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
     if not fc_bias and "fc.bias" in w and w["fc.bias"].abs().max() > 0:
         raise EngineMismatch("reference: config bias=false builds fc without bias (cnets1.py:524); fc.bias ignored")
     emb_table = w.get("embed_tokens.weight", base.embed)  # cnets1.py:481-519 (+ the file's under strict=False)
-    hidden = eagle1_forward(w, conf, emb_table[ids[:, 1:]], base.final[:, :-1], fc_bias=fc_bias, attn_bias=False)
+    # q/k/v biased by config qkv_bias, o_proj never (cnets1.py:209-217)
+    hidden = eagle1_forward(w, conf, emb_table[ids[:, 1:]], base.final[:, :-1], fc_bias=fc_bias, attn_bias=qkv_bias,
+                            o_bias=False)
     return hidden @ base.lm_head.T
 
 

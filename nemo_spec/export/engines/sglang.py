@@ -82,6 +82,10 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
                              f"are skipped silently")
     emb = base.embed[ids[:, 1:]]  # speculative/eagle_worker_v2.py:353-363: set_embed(target embed)
     feat = torch.cat([base.stream[i] for i in captured], -1)[:, :-1]
+    if feat.shape[-1] == emb.shape[-1]:  # fc runs only when the features are wider than the embedding
+        # (models/llama_eagle3.py:238-247): one captured layer goes into the draft as it is
+        w = dict(w, **{"fc.weight": torch.eye(h)})
+        fc_bias = False
     hidden = eagle3_forward(w, conf, emb, feat, later_norm="hidden_norm", fc_bias=fc_bias)
     logits = hidden @ (w["lm_head.weight"] if "lm_head.weight" in w else base.embed).T
     # d2t -> hot_token_id = d2t + arange (models/llama_eagle3.py:350-353); none -> draft ids are target ids
