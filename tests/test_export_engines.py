@@ -331,3 +331,56 @@ def test_parallel_drafts_on_a_biased_rope_scaled_base_verify_in_their_engines(al
     if alg == "peagle":
         w = load_file(str(exp / "draft" / "vllm" / "model.safetensors"))
         assert all(torch.equal(w[f"layers.{i}.self_attn.o_proj.bias"], torch.zeros(64)) for i in range(2))
+
+
+def test_foreign_eagle3_files_are_matched_to_the_models_aux_layers(exports, tmp_path):
+    """EAGLE-3 files other tools wrote carry no nemo_spec_aux: their fc reads the captured layers in layer order, named
+    by ids whose numbering depends on the writer. A model with the same layers in another order imports them with
+    fc's blocks reordered (they were loaded as they stood: a silently wrong draft); a model fed other layers is
+    refused naming both (it imported silently)."""
+    import tests.export_utils as eu
+
+    model, exp = exports["eagle3_reference_aux"]  # aux [1, 3, 4] of an 8-layer base
+
+    def built(aux):
+        orig = eu.base_config
+        eu.base_config = lambda **k: orig(num_layers=8, **k)
+        try:
+            m = make_model("eagle3", aux_layers=aux).eval()
+        finally:
+            eu.base_config = orig
+        m.gpt.load_state_dict(model.gpt.state_dict())
+        return m
+
+    def strip(conf):
+        conf.pop("nemo_spec_aux")
+
+    def ids_in_eagle_config_only(conf):  # vLLM's numbering (inputs), only where SGLang reads 0-based outputs
+        strip(conf)
+        conf.pop("eagle_aux_hidden_state_layer_ids")
+
+    def modelopt(conf):  # hf_spec_configs.py:18-56 @ nvidia-modelopt 0.47.0: 0-based outputs + its own keys
+        strip(conf)
+        conf.pop("eagle_aux_hidden_state_layer_ids")
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True,
+                                "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+                                "next_layer_regular": True, "parallel_draft_step": 1}
+
+    def no_ids(conf):  # engines then capture their default: inputs of layers 2, L//2, L-3 = outputs 1, 3, 4
+        ids_in_eagle_config_only(conf)
+        conf.pop("eagle_config")
+
+    dirs = {"vllm": _copy(exp / "draft" / "vllm", tmp_path / "vllm", strip),
+            "sglang": _copy(exp / "draft" / "sglang", tmp_path / "sglang", strip),
+            "vllm_ids_in_eagle_config": _copy(exp / "draft" / "vllm", tmp_path / "vec", ids_in_eagle_config_only),
+            "modelopt": _copy(exp / "draft" / "vllm", tmp_path / "mo", modelopt),
+            "no_ids": _copy(exp / "draft" / "vllm", tmp_path / "none", no_ids)}
+    want = _draft(model)
+    for name, d in dirs.items():
+        for aux in ([1, 3, 4], [4, 1, 3]):
+            m = built(aux)
+            import_draft(m, d)
+            assert (_draft(m) - want).abs().max() < 1e-5, (name, aux)
+        fix = r"" if name == "vllm_ids_in_eagle_config" else r".*aux_layers=\[1, 3, 4\]"  # read both ways there
+        with pytest.raises(ExportError, match=r"reads base layers .*\[1, 3, 4\].* fed layers \[1, 3, 5\]" + fix):
+            import_draft(built([1, 3, 5]), d)

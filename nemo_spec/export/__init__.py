@@ -501,7 +501,8 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
         raise ExportError(f"{d / 'config.json'}: hidden_size={conf['hidden_size']} but the model has {cfg.hidden_size}")
     tensors = _read_draft_tensors(d, fmt)
     if fmt == "eagle3":
-        neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg)
+        neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg,
+                                                  spec.spec_config.resolved_aux_layers(cfg.num_layers))
     elif fmt == "eagle1":
         neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)
     elif fmt == "dflash":

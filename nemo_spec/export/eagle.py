@@ -296,10 +296,48 @@ def eagle3_to_reference(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return tensors, conf
 
 
+#: eagle_config keys only NVIDIA Model Optimizer writes (modelopt/torch/export/plugins/hf_spec_configs.py:18-56 @
+#: nvidia-modelopt 0.47.0); its ids are 0-based layer outputs (speculative/plugins/hf_eagle.py:208-232, 402-406)
+MODELOPT_EAGLE_KEYS = ("use_input_layernorm_in_first_layer", "next_layer_regular", "use_last_layernorm",
+                       "use_mtp_layernorm", "parallel_draft_step")
+
+
+def file_captured_layers(conf: Mapping[str, Any], num_layers: int) -> List[Tuple[List[int], str]]:
+    """The readings of which 0-based base layers (outputs, in fc block order) the file's fc reads: [(layers, how)].
+
+    Every engine captures the distinct layers in layer order, so fc's blocks are sorted. The ids' numbering depends
+    on who wrote them: our ``nemo_spec_aux``; a top-level ``eagle_aux_hidden_state_layer_ids`` is vLLM's (id j =
+    the input of layer j = the output of layer j-1: vllm gpu_model_runner.py:5207, llama.py:428-441); ids only in
+    ``eagle_config`` are 0-based outputs for SGLang (it adds 1 to capture layer inputs: srt/models/llama.py:941) and
+    for ModelOpt (recognised by its own keys), but inputs for vLLM (gpu_model_runner.py:5217-5219): both readings;
+    no ids: the engines' default, the inputs of layers 2, L//2, L-3 (vllm llama.py, srt/models/llama.py:929-941).
+    """
+    meta = conf.get("nemo_spec_aux") or {}
+    if meta.get("captured"):
+        return [([int(i) for i in meta["captured"]], "nemo_spec_aux")]
+    if meta.get("aux_layers"):
+        return [(captured_layers([int(i) for i in meta["aux_layers"]]), "nemo_spec_aux")]
+    top = conf.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return [(sorted({int(i) - 1 for i in top}), f"eagle_aux_hidden_state_layer_ids={list(top)}, vLLM's inputs")]
+    ec = conf.get("eagle_config") or {}
+    ids = ec.get("eagle_aux_hidden_state_layer_ids")
+    where = f"eagle_config.eagle_aux_hidden_state_layer_ids={list(ids or [])}"
+    if ids and any(k in ec for k in MODELOPT_EAGLE_KEYS):
+        return [(sorted({int(i) for i in ids}), f"{where}, ModelOpt's outputs")]
+    if ids:
+        return [(sorted({int(i) for i in ids}), f"{where} read as SGLang reads them (outputs)"),
+                (sorted({int(i) - 1 for i in ids}), f"{where} read as vLLM reads them (inputs)")]
+    L = num_layers
+    return [(sorted({i - 1 for i in (2, L // 2, L - 3) if 0 < i < L}),
+             f"no aux layer ids: the engines' default on this {L}-layer base")]
+
+
 def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
-                          cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+                          cfg: ModelConfig, aux: List[int] | None = None) -> Dict[str, torch.Tensor]:
     """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
-    ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``)."""
+    ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``). ``aux``: the model's aux layers;
+    the file's fc must read the same base layers (:func:`file_captured_layers`), its blocks are put in ``aux`` order."""
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
@@ -311,15 +349,24 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
         prefixes = [f"layers.{i}." for i in range(n_layers)]
     first = prefixes[0]
     fc = tensors["fc.weight"]
-    meta = conf.get("nemo_spec_aux") or {}
-    if meta.get("aux_layers"):  # written over the sorted distinct layers (_fc_for_captured): back to aux order
-        aux = list(meta["aux_layers"])
-        if fc.shape[1] == len(captured_layers(aux)) * cfg.hidden_size and captured_layers(aux) != aux:
-            fc = _fc_from_captured(fc, aux, cfg.hidden_size)
+    h = cfg.hidden_size
+    if aux is None:  # no model to compare with: our own export's record, else the file's order as it is
+        aux = list((conf.get("nemo_spec_aux") or {}).get("aux_layers") or [])
+    if aux:
+        want = captured_layers(aux)
+        readings = file_captured_layers(conf, cfg.num_layers)
+        if all(have != want for have, _ in readings):
+            have = readings[0][0]
+            fix = (f"transform the base with aux_layers={(have + have[-1:] * 3)[:3]}" if 1 <= len(have) <= 3
+                   else f"nemo_spec drafts fuse at most 3 layers, this one {len(have)}")
+            said = " or ".join(f"{layers} ({how})" for layers, how in readings)
+            raise ExportError(f"the draft's fc reads base layers {said} (0-based layer outputs) but this model's "
+                              f"draft is fed layers {want} (aux_layers={list(aux)}): {fix}")
+        if fc.shape[1] == len(want) * h and want != list(aux):  # sorted distinct blocks -> aux order
+            fc = _fc_from_captured(fc, list(aux), h)
     out: Dict[str, torch.Tensor] = {"fc.weight": fc}
     if "fc.bias" in tensors:
         out["fc.bias"] = tensors["fc.bias"]
-    h = cfg.hidden_size
     for i in range(n_layers):
         src = prefixes[i]
         sd = dict(tensors)
