@@ -25,7 +25,6 @@ setup(
                 "accelerate"],
         # NeMo 2.7.3's optimizer needs megatron-core 0.15.x; the tested set is tests/nemo/requirements.txt
         "nemo": ["nemo_toolkit[llm]>=2.7,<2.8", "megatron-core>=0.15,<0.16"],
-        "modelopt": ["nvidia-modelopt"],
         # GGUF import (llama.cpp files); accelerate only for transformers' own GGUF loading in the parity tests
         "gguf": ["gguf>=0.10", "accelerate"],
     },

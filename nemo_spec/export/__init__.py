@@ -42,6 +42,7 @@ from nemo_spec.export.formats import (
     hf_dtype_name,
     load_tensors,
     read_json,
+    read_safetensors_prefix,
     save_safetensors,
     write_json,
 )
@@ -119,6 +120,34 @@ def _load_draft_full(spec: torch.nn.Module, full: Dict[str, torch.Tensor]) -> No
             raise ExportError(f"draft tensor {k}: file shape {tuple(v.shape)} (TP shard) != model shape "
                               f"{tuple(own[k].shape)}")
     spec.draft.load_state_dict({k: v.to(own[k].dtype) for k, v in shard.items()}, strict=False)
+
+
+def _base_output_weight(spec: torch.nn.Module) -> torch.Tensor:
+    """The base's full output-layer weight [V, h] (the embedding table when tied; gathered over TP)."""
+    out = getattr(spec.gpt, "output_layer", None)
+    if spec.gpt.share_embeddings_and_output_weights or out is None or out.weight is None:
+        return _base_embedding(spec)
+    key = "output_layer.weight"
+    return _gather_tp({key: out.weight.detach().cpu()}, gated=False)[key]
+
+
+def _read_d2t(d2t: Union[None, PathLike, torch.Tensor]) -> Optional[torch.Tensor]:
+    """``import_draft``'s d2t: a tensor, or a file holding one (ModelOpt's draft vocabulary cache is ``torch.save(d2t)``:
+    speculative/utils.py calibrate_frequent_vocab, plugins/hf_eagle.py:318-337 @ 0.47.0), or a dict with 'd2t'."""
+    if d2t is None or isinstance(d2t, torch.Tensor):
+        return d2t
+    p = Path(d2t)
+    if not p.is_file():
+        raise ExportError(f"d2t file {p} does not exist")
+    try:
+        obj = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ExportError(f"{p} is not a torch tensor file ({type(e).__name__})") from e
+    if isinstance(obj, dict):
+        obj = obj.get("d2t")
+    if not isinstance(obj, torch.Tensor) or obj.dim() != 1 or obj.is_floating_point():
+        raise ExportError(f"{p}: expected a 1-D integer d2t tensor (or a dict with one under 'd2t')")
+    return obj
 
 
 def _base_embedding(spec: torch.nn.Module) -> torch.Tensor:
@@ -445,8 +474,8 @@ def _draft_dir(path: Path) -> Path:
 
 
 def detect_draft_format(path: PathLike) -> str:
-    """'eagle3', 'eagle1', 'dflash', 'peagle', 'medusa' or 'medusa_vllm' for an exported draft directory (or an
-    export dir)."""
+    """'eagle3', 'eagle1', 'dflash', 'peagle', 'medusa', 'medusa_vllm' or 'medusa_modelopt' for an exported draft
+    directory (or an export dir)."""
     d = _draft_dir(Path(path))
     conf = read_json(d / "config.json")
     arch = (conf.get("architectures") or [None])[0]
@@ -455,6 +484,8 @@ def detect_draft_format(path: PathLike) -> str:
     if conf.get("speculators_model_type"):
         raise ExportError(f"{d / 'config.json'}: speculators_model_type {conf['speculators_model_type']!r} is not "
                           f"imported (only 'peagle')")
+    if isinstance(conf.get("medusa"), dict) and "num_medusa_heads" in conf["medusa"]:
+        return "medusa_modelopt"  # ModelOpt's export_hf_checkpoint of a Medusa model (plugins/hf_medusa.py:63-80)
     if "medusa_num_heads" in conf or conf.get("model_type") == "medusa":
         if (d / "medusa_lm_head.safetensors").is_file() or (d / "medusa_lm_head.pt").is_file():
             return "medusa"
@@ -471,6 +502,8 @@ def detect_draft_format(path: PathLike) -> str:
 
 
 def _read_draft_tensors(d: Path, fmt: str) -> Dict[str, torch.Tensor]:
+    if fmt == "medusa_modelopt":  # the whole model: read only the heads, from one file or an index's shards
+        return read_safetensors_prefix(d, "medusa_heads.")
     names = (["medusa_lm_head.safetensors", "medusa_lm_head.pt"] if fmt == "medusa"
              else ["model.safetensors", "pytorch_model.bin"])  # every layout writes model.safetensors
     for n in names:
@@ -479,11 +512,14 @@ def _read_draft_tensors(d: Path, fmt: str) -> Dict[str, torch.Tensor]:
     raise ExportError(f"{d} has none of the weight files {names}")
 
 
-def import_draft(model: torch.nn.Module, path: PathLike) -> str:
+def import_draft(model: torch.nn.Module, path: PathLike, d2t: Union[None, PathLike, torch.Tensor] = None) -> str:
     """Load an exported draft (export dir or draft dir) into a transformed model's draft (TP-aware); returns its format.
 
     Every tensor of the draft must be present and match in shape; the file's draft must be the same algorithm as
-    the model's.
+    the model's. Reads every layout nemo_spec writes, EAGLE-3 drafts of vLLM / SGLang / TensorRT-LLM / SpecForge /
+    NVIDIA Model Optimizer (Hugging Face and Megatron flows) and ModelOpt's Medusa exports. ``d2t``: an EAGLE-3 draft
+    vocabulary map (tensor, or a ``torch.save``d one such as ModelOpt's draft vocabulary cache) for a
+    reduced-vocabulary file that does not store it.
     """
     spec = _unwrap_spec(model)
     if not is_speculative(spec):
@@ -493,6 +529,8 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
     algorithm = spec.spec_config.algorithm
     if fmt.split("_")[0] != algorithm:
         raise ExportError(f"{d} holds a {fmt} draft but the model's draft is {algorithm}")
+    if d2t is not None and fmt != "eagle3":
+        raise ExportError(f"d2t= applies to EAGLE-3 drafts; {d} holds a {fmt} draft")
     conf = read_json(d / "config.json")
     cfg: ModelConfig = spec.model_config
     if fmt == "peagle":
@@ -502,7 +540,8 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
     tensors = _read_draft_tensors(d, fmt)
     if fmt == "eagle3":
         neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg,
-                                                  spec.spec_config.resolved_aux_layers(cfg.num_layers))
+                                                  spec.spec_config.resolved_aux_layers(cfg.num_layers),
+                                                  base_lm_head=_base_output_weight(spec), d2t=_read_d2t(d2t))
     elif fmt == "eagle1":
         neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)
     elif fmt == "dflash":
@@ -515,6 +554,8 @@ def import_draft(model: torch.nn.Module, path: PathLike) -> str:
         neutral = peagle_from_speculators(tensors, conf, cfg, spec.spec_config, _base_embedding(spec))
     elif fmt == "medusa":
         neutral = medusa_fmt.medusa_from_reference(tensors, conf)
+    elif fmt == "medusa_modelopt":
+        neutral = medusa_fmt.medusa_from_modelopt(tensors, conf)
     else:
         neutral = medusa_fmt.medusa_from_vllm(tensors, conf)
     try:

@@ -302,6 +302,26 @@ MODELOPT_EAGLE_KEYS = ("use_input_layernorm_in_first_layer", "next_layer_regular
                        "use_mtp_layernorm", "parallel_draft_step")
 
 
+def _note_differences(conf: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Warn where an imported file says something the draft, as nemo_spec (and vLLM / SGLang) runs it, does not do."""
+    ec = conf.get("eagle_config") or {}
+    if ec.get("use_input_layernorm_in_first_layer") and "layers.0.hidden_norm.weight" in tensors:
+        # ModelOpt's HF flow (layers.0.*): its EagleModule's layer 0 is a LlamaDecoderLayer whose input_layernorm
+        # runs on the fused feature before the hook applies hidden_norm (modeling_eagle.py:77-80, 114-125 @ 0.47.0)
+        log.warning("this EAGLE-3 draft comes from ModelOpt's Hugging Face flow, whose training forward normalises "
+                    "layer 0's fused feature with input_layernorm and then hidden_norm; nemo_spec, vLLM and SGLang "
+                    "apply hidden_norm only, so its acceptance here can be lower than in ModelOpt's own evaluation")
+    sc = conf.get("rope_scaling") or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    base = cfg.rope_scaling or {}
+    base_kind = base.get("rope_type", base.get("type", "default"))
+    if kind != base_kind or (kind != "default" and float(sc.get("factor", 1)) != float(base.get("factor", 1))):
+        log.warning("the draft's config.json says rope_scaling=%s but the base rotates with %s: nemo_spec runs the "
+                    "draft with the base's RoPE (as it was trained), an engine would apply the file's (ModelOpt "
+                    "writes eagle_export_rope_scaling, YaRN by default, into exported drafts)", dict(sc) or None,
+                    dict(base) or "no scaling")
+
+
 def file_captured_layers(conf: Mapping[str, Any], num_layers: int) -> List[Tuple[List[int], str]]:
     """The readings of which 0-based base layers (outputs, in fc block order) the file's fc reads: [(layers, how)].
 
@@ -333,11 +353,14 @@ def file_captured_layers(conf: Mapping[str, Any], num_layers: int) -> List[Tuple
              f"no aux layer ids: the engines' default on this {L}-layer base")]
 
 
-def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
-                          cfg: ModelConfig, aux: List[int] | None = None) -> Dict[str, torch.Tensor]:
+def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any], cfg: ModelConfig,
+                          aux: List[int] | None = None, base_lm_head: torch.Tensor | None = None,
+                          d2t: torch.Tensor | None = None) -> Dict[str, torch.Tensor]:
     """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
     ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``). ``aux``: the model's aux layers;
-    the file's fc must read the same base layers (:func:`file_captured_layers`), its blocks are put in ``aux`` order."""
+    the file's fc must read the same base layers (:func:`file_captured_layers`), its blocks are put in ``aux`` order.
+    ``base_lm_head``: the base's output weight, for a full-vocabulary file without ``lm_head``; ``d2t``: the draft
+    vocabulary map, for a reduced-vocabulary file without one."""
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
@@ -382,6 +405,13 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                 sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
         out.update(layer_from_hf(sd, src, f"layers.{i}.", cfg, input_norm=True))
+    tensors = dict(tensors)
+    if "lm_head.weight" not in tensors and base_lm_head is not None and \
+            int(conf.get("draft_vocab_size") or cfg.vocab_size) == cfg.vocab_size:
+        # a full-vocabulary draft without its own head predicts with the base's (ModelOpt's Megatron export writes
+        # no lm_head then: unified_export_megatron.py:917-918, megatron_eagle.py:507-526 @ nvidia-modelopt 0.47.0)
+        log.info("EAGLE-3 draft has no lm_head.weight and the full vocabulary: using the base's output layer")
+        tensors["lm_head.weight"] = base_lm_head
     for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),
                      ("norm.weight", "final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
         if src not in tensors:
@@ -390,12 +420,21 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     vd = out["output_layer.weight"].shape[0]
     if int(conf.get("draft_vocab_size") or vd) != vd:
         raise ExportError(f"config draft_vocab_size={conf.get('draft_vocab_size')} but lm_head has {vd} rows")
+    if d2t is not None:
+        if "d2t" in tensors and not torch.equal(tensors["d2t"].long(), d2t.long()):
+            raise ExportError("the draft file stores a d2t that differs from the one passed (d2t=)")
+        tensors["d2t"] = d2t
     if "d2t" in tensors:
         out["d2t"] = tensors["d2t"].to(torch.long)
+        if tuple(out["d2t"].shape) != (vd,):
+            raise ExportError(f"d2t has shape {tuple(out['d2t'].shape)}, expected ({vd},) = the draft vocabulary")
     elif vd == cfg.vocab_size:
         out["d2t"] = torch.zeros(vd, dtype=torch.long)
     else:
-        raise ExportError(f"EAGLE-3 draft has a reduced vocabulary ({vd} of {cfg.vocab_size}) but no 'd2t' mapping")
+        raise ExportError(f"EAGLE-3 draft has a reduced vocabulary ({vd} of {cfg.vocab_size}) but no 'd2t' mapping "
+                          f"(ModelOpt's Megatron export drops it: unified_export_megatron.py:919 tests 'dt2'); pass "
+                          f"the draft vocabulary cache: import_draft(model, path, d2t=<draft_vocab_cache .pt>)")
+    _note_differences(conf, tensors, cfg)
     if "embed_tokens.weight" in tensors:
         log.info("EAGLE-3 draft stores embed_tokens.weight; ignored (the draft embeds tokens with the base's table)")
     return out

@@ -117,6 +117,36 @@ def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
     return obj
 
 
+def read_safetensors_prefix(d: Path, prefix: str) -> Dict[str, torch.Tensor]:
+    """The tensors named ``prefix*`` of a Hugging Face directory's ``model.safetensors`` or of the shards its
+    ``model.safetensors.index.json`` lists (only those are read)."""
+    from safetensors import safe_open
+
+    d = Path(d)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ExportError(f"{index} has no 'weight_map' object")
+        files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
+    elif (d / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"{d} has neither model.safetensors nor model.safetensors.index.json")
+    out: Dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(d / f), framework="pt") as fh:
+                for k in fh.keys():
+                    if k.startswith(prefix):
+                        out[k] = fh.get_tensor(k)
+        except Exception as e:
+            raise ExportError(f"{d / f} is missing, damaged or not a safetensors file ({type(e).__name__})") from e
+    if not out:
+        raise ExportError(f"{d} holds no tensors named {prefix}*")
+    return out
+
+
 def write_json(path: Path, obj: Mapping) -> None:
     """Write ``obj`` as indented JSON."""
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

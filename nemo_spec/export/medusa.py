@@ -94,6 +94,19 @@ def medusa_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
     return out
 
 
+def medusa_from_modelopt(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+    """NVIDIA Model Optimizer's Medusa export (``export_hf_checkpoint`` of the whole model, nvidia-modelopt 0.47.0):
+    ``config.medusa = {num_medusa_heads, num_medusa_layers}`` (plugins/hf_medusa.py:63-66) and per head
+    ``medusa_heads.{k}.{j}.linear.{weight,bias}`` residual blocks then ``medusa_heads.{k}.{L}.weight`` (hf_medusa.py:
+    72-80): the reference layout under a prefix."""
+    m = conf.get("medusa") or {}
+    ref_conf = {"medusa_num_heads": m.get("num_medusa_heads"), "medusa_num_layers": m.get("num_medusa_layers")}
+    if not all(isinstance(v, int) and v >= 1 for v in ref_conf.values()):
+        raise ExportError(f"ModelOpt Medusa config.json: 'medusa' must hold num_medusa_heads and num_medusa_layers >= 1, "
+                          f"got {m}")
+    return medusa_from_reference({k[len("medusa_heads."):]: v for k, v in tensors.items()}, ref_conf)
+
+
 def medusa_to_vllm(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig,
                    spec: SpeculativeConfig) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Our Medusa head tensors -> (vLLM Medusa tensors, config.json dict)."""
