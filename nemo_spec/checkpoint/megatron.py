@@ -617,7 +617,7 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     if fmt == "nemo2":
         from nemo_spec.checkpoint import nemo2
 
-        return nemo2.load_nemo2(p, tp_size=tp_size, dtype=dtype)
+        return nemo2.load_nemo2(p, tp_size=tp_size, dtype=dtype, base_only=base_only)
     if fmt == "gguf":
         from nemo_spec.checkpoint import gguf
 

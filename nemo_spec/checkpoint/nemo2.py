@@ -26,6 +26,10 @@ from nemo_spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
+#: key of nemo_spec's record (the draft's SpeculativeConfig) in a NeMo checkpoint's common state
+CHECKPOINT_KEY = "nemo_spec"
+
+
 def is_nemo2_dir(p: Path) -> bool:
     """Whether ``p`` is a NeMo 2 checkpoint directory (``context/`` and a complete ``weights/``)."""
     return (p / "context").is_dir() and (p / "weights" / "metadata.json").is_file()
@@ -88,6 +92,16 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
                       ("layernorm_zero_centered_gamma", "zero-centred layer norm")):
         if c.get(fld):
             raise unsupported(what, fld)
+    # attention settings megatron applies that the project spec does not have (transformer_config.py @ megatron-core
+    # 0.15: softmax_scale :108, softmax_type :111, window_size :180 (MistralConfig7B's default [4096, 0]),
+    # window_attn_skip_freq :184, no_rope_freq :205): loading without them gave another model's logits
+    for fld, what in (("window_size", "sliding-window attention"), ("window_attn_skip_freq", "sliding-window attention"),
+                      ("softmax_scale", "a custom attention softmax scale"),
+                      ("no_rope_freq", "layers without RoPE"), ("is_hybrid_model", "a hybrid (Mamba) model")):
+        if c.get(fld) not in (None, False, 0, [], ()):
+            raise unsupported(what, fld)
+    if c.get("softmax_type", "vanilla") not in (None, "vanilla"):
+        raise unsupported(f"attention softmax {c.get('softmax_type')!r}", "softmax_type")
     if float(c.get("rotary_percent", 1.0) or 1.0) != 1.0:
         raise unsupported("partial RoPE", "rotary_percent")
     pos = c.get("position_embedding_type", "rope")
@@ -172,13 +186,35 @@ def read_config(p: Path) -> Dict[str, Any]:
             "target": _target(doc)}
 
 
-def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
-    """Load the base GPTModel of a NeMo 2 checkpoint at the current TP (any saved TP)."""
+def recorded_draft(wdir: Path, cfg: ModelConfig, source: str) -> Optional[Any]:
+    """The SpeculativeConfig nemo_spec's NeMo integration recorded in the checkpoint's common state
+    (``weights/common.pt``, key :data:`CHECKPOINT_KEY`), or None."""
+    from megatron.core import dist_checkpointing
+
+    from nemo_spec.checkpoint.megatron import speculative_config_from
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(wdir))
+    except Exception as e:  # noqa: BLE001 - no readable common state: nothing recorded
+        log.debug("%s: no common state (%s)", wdir, e)
+        return None
+    rec = common.get(CHECKPOINT_KEY) if isinstance(common, dict) else None
+    if not isinstance(rec, dict) or not rec.get("speculative"):
+        return None
+    return speculative_config_from({"speculative": rec["speculative"]}, cfg, f"{source} ({CHECKPOINT_KEY} record)")
+
+
+def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+               base_only: bool = False) -> torch.nn.Module:
+    """Load a NeMo 2 checkpoint at the current TP (any saved TP): the base GPTModel, or base + draft (a
+    SpeculativeGPT) when the checkpoint holds a draft trained with nemo_spec's NeMo integration (its settings
+    recorded in the common state) and ``base_only`` is False."""
     from megatron.core import dist_checkpointing
 
     from nemo_spec.checkpoint import legacy
-    from nemo_spec.checkpoint.megatron import _DTYPES, _ensure_parallel, _target_tp, check_tp, load_dist_into
-    from nemo_spec.models import build_gpt
+    from nemo_spec.checkpoint.megatron import (
+        _DTYPES, _ensure_parallel, _target_tp, build_for_checkpoint, check_tp, load_dist_into,
+    )
 
     info = read_config(p)
     source = info["source"]
@@ -187,14 +223,16 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     check_tp(cfg, tp, source)
     if dtype is None:
         dtype = _DTYPES.get(info["params_dtype"], torch.float32)
-    _ensure_parallel(tp)
-    model = build_gpt(cfg, params_dtype=dtype)
     wdir = p / "weights"
-    load_dist_into(model, wdir, source, sharded_sd=legacy._dist_sharded_state_dict(model, wdir))
     drafts = sorted({k.split(".")[1] for k in dist_checkpointing.load_tensors_metadata(str(wdir))
                      if k.startswith(("module.eagle_module.", "module.medusa_heads."))})
-    if drafts:
-        log.warning("%s also holds a %s draft trained through NeMo; only the base is loaded from a NeMo 2 "
-                    "checkpoint (export the draft from the trained model with nemo_spec.export)", p, drafts[0])
-    log.info("loaded NeMo 2 checkpoint %s (%s, saved tp=%d) at tp=%d", p, info["target"], info["tp_size_saved"], tp)
+    spec = recorded_draft(wdir, cfg, source) if drafts and not base_only else None
+    _ensure_parallel(tp)
+    model = build_for_checkpoint(cfg, spec, dtype, source)
+    load_dist_into(model, wdir, source, sharded_sd=legacy._dist_sharded_state_dict(model, wdir))
+    if drafts and spec is None and not base_only:
+        log.warning("%s also holds a %s draft trained through NeMo but not its settings (saved before nemo_spec "
+                    "recorded them, or not by nemo_spec.integrations.nemo); only the base is loaded", p, drafts[0])
+    log.info("loaded NeMo 2 checkpoint %s (%s%s, saved tp=%d) at tp=%d", p, info["target"],
+             f" + {spec.algorithm} draft" if spec is not None else "", info["tp_size_saved"], tp)
     return model

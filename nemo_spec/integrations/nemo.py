@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Dict
 
 import torch
 
@@ -32,6 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised where NeMo is absent
         f"'NeMo 2' for the tested pins ({e})") from e
 
 from nemo_spec import parallel
+from nemo_spec.checkpoint.nemo2 import CHECKPOINT_KEY
 from nemo_spec.config import ConfigError
 from nemo_spec.models.gpt import unwrap_speculative
 from nemo_spec.speculative.transform import SpeculativeTransform as _BaseTransform
@@ -47,14 +48,16 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _BaseTransform.__init__(self, *args, **kwargs)
         ModelTransform.__init__(self)
-        self._applied = False
 
     # Lightning runs callbacks' setup before LightningModule.configure_model (trainer.py _run: _call_setup_hook,
     # then _call_configure_model, then strategy.setup), so wrapping configure_model here attaches the draft as
-    # soon as NeMo builds its megatron module
+    # soon as NeMo builds its megatron module. Whether a module has its draft is asked of the module itself: one
+    # transform object may serve several llm.train calls (a notebook re-run, a second model).
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Arrange for the draft to be attached right after ``pl_module.configure_model``."""
-        if self._applied or getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
+        """Arrange for the draft to be attached right after ``pl_module.configure_model``, and for a restore of a
+        base checkpoint (NeMo's ``RestoreConfig``) to leave the draft out."""
+        self._restore_base_only(trainer)
+        if getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
             return
         original = pl_module.configure_model
 
@@ -69,8 +72,35 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         if hasattr(pl_module, "module"):  # already configured (e.g. a model built by hand before llm.train)
             self._attach(pl_module)
 
+    @staticmethod
+    def _restore_base_only(trainer: Any) -> None:
+        """``MegatronStrategy.selective_restore`` (RestoreConfig: how NeMo starts from a pretrained or
+        ``llm.import_ckpt``-ed model, megatron_strategy.py:611, 1228-1250) loads strictly the sharded state dict of
+        the whole module, draft included; a base checkpoint holds no draft, so it failed with "module.eagle_module.
+        fc.weight from model not in state dict". When the checkpoint has no draft tensors, restore the base alone
+        (the draft keeps its initialisation; every base tensor is still required); a checkpoint with the draft
+        restores it too."""
+        strategy = getattr(trainer, "strategy", None)
+        original = getattr(strategy, "selective_restore", None)
+        if original is None or getattr(original, "_nemo_spec_wrapped", False):
+            return
+
+        @functools.wraps(original)
+        def selective_restore(*args: Any, **kwargs: Any) -> Any:
+            spec = unwrap_speculative(trainer.lightning_module)
+            config = getattr(strategy, "restore_config", None)
+            if spec is None or config is None or _holds_draft(config.path, spec.draft_prefix):
+                return original(*args, **kwargs)
+            log.info("nemo_spec: %s holds no %sdraft: restoring the base only (the draft keeps its initialisation)",
+                     config.path, spec.draft_prefix)
+            with spec.base_only():
+                return original(*args, **kwargs)
+
+        selective_restore._nemo_spec_wrapped = True  # type: ignore[attr-defined]
+        strategy.selective_restore = selective_restore
+
     def _attach(self, pl_module: Any) -> None:
-        if self._applied:
+        if unwrap_speculative(pl_module) is not None:
             return
         if not hasattr(pl_module, "module"):
             raise ConfigError(f"{type(pl_module).__name__}.configure_model did not create .module; "
@@ -79,7 +109,6 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         spec = unwrap_speculative(pl_module)
         if spec is None:
             raise ConfigError(f"no SpeculativeGPT inside {type(pl_module).__name__} after the transform")
-        self._applied = True
         if parallel.sum_tp_partial_grads_in_finalize(pl_module, spec):
             log.info("nemo_spec: NeMo's finalize_model_grads also sums the draft's q/k-norm gradients over TP")
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
@@ -88,7 +117,7 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
 
     def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
         """Used as a plain callable (or by NeMo's own hook): attach the draft, refusing after the optimizer exists."""
-        if self._applied:
+        if unwrap_speculative(model) is not None:
             return model
         trainer = getattr(model, "_trainer", None) or getattr(getattr(model, "trainer", None), "__self__", None)
         if trainer is not None and getattr(trainer, "optimizers", None):
@@ -99,13 +128,22 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
 
     # NeMo's ModelTransform applies the transform at epoch start; ours is already attached by then
     def _maybe_apply_transform(self, trainer: Any) -> None:
-        if not self._applied:
+        if unwrap_speculative(trainer.lightning_module) is None:
             raise ConfigError("SpeculativeTransform was not applied at configure_model (was it registered as a "
                               "callback before trainer.fit? pass it to llm.train(model_transform=...))")
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached and is what the optimizer holds."""
         self._maybe_apply_transform(trainer)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        """Record the draft's settings in NeMo's checkpoint (its common state, ``weights/common.pt``): with them
+        ``nemo_spec.checkpoint.load_model`` rebuilds base + draft from the checkpoint alone (its tensors are there as
+        ``module.eagle_module.*`` / ``module.medusa_heads.*``; without the settings a draft trained in a job that has
+        ended could not be recovered)."""
+        spec = unwrap_speculative(pl_module)
+        if spec is not None:
+            checkpoint[CHECKPOINT_KEY] = {"speculative": spec.spec_config.to_dict()}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Tell the draft which optimizer step it trains (P-EAGLE's ``depth_warmup_steps``)."""
@@ -116,3 +154,22 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached."""
         self._maybe_apply_transform(trainer)
+
+
+def _holds_draft(path: Any, prefix: str) -> bool:
+    """Whether the NeMo checkpoint at ``path`` (its ``weights/`` or the dist checkpoint itself) stores ``prefix``
+    tensors (``module.eagle_module.*`` / ``module.medusa_heads.*``); True when it cannot tell (the strict load then
+    decides, as before)."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    p = Path(str(path))
+    for d in (p / "weights", p):
+        if (d / "metadata.json").is_file():
+            try:
+                keys = dist_checkpointing.load_tensors_metadata(str(d))
+            except Exception:  # an unreadable checkpoint: let NeMo's own load report it
+                return True
+            return any(k.startswith(("module." + prefix, prefix)) for k in keys)
+    return True

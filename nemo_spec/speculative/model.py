@@ -1,6 +1,7 @@
 """SpeculativeGPT: a frozen megatron-core GPTModel plus a trainable draft (EAGLE-1/3, Medusa, P-EAGLE, DFlash)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -328,6 +329,20 @@ class SpeculativeGPT(MegatronModule):
         base = self.gpt.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
         out = {f"{prefix}gpt.{k[len(prefix):]}": v for k, v in base.items()}
         name = self.draft_prefix
-        out.update(self.draft.sharded_state_dict(prefix=f"{prefix}{name}", sharded_offsets=sharded_offsets,
-                                                 metadata=metadata))
+        if name[:-1] in self._modules:  # absent inside base_only()
+            out.update(self.draft.sharded_state_dict(prefix=f"{prefix}{name}", sharded_offsets=sharded_offsets,
+                                                     metadata=metadata))
         return out
+
+    @contextlib.contextmanager
+    def base_only(self) -> Iterator[None]:
+        """Inside, the draft is set aside: ``state_dict``, ``sharded_state_dict`` and ``load_state_dict`` (strict)
+        see the base alone, so a checkpoint of the base (a pretrained or imported one, without any draft) restores
+        into the transformed model; the draft's parameters stay the same objects (an optimizer or DDP holding them
+        is unaffected)."""
+        name = self.draft_prefix[:-1]
+        draft = self._modules.pop(name)
+        try:
+            yield
+        finally:
+            self._modules[name] = draft

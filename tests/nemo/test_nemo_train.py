@@ -47,6 +47,8 @@ class Record(pl.Callback):
         spec = unwrap_speculative(pl_module)
         self.spec = spec
         self.start_step = trainer.global_step
+        if spec is None:  # a run without the transform (a base checkpoint for the restore test)
+            return
         self.base0 = {k: v.detach().clone() for k, v in spec.gpt.state_dict().items() if torch.is_tensor(v)}
         self.draft0 = {k: v.detach().clone() for k, v in spec.draft.named_parameters()}
         opt = trainer.optimizers[0]
@@ -176,14 +178,37 @@ def test_nemo_checkpoint_loads_in_load_model_with_exact_logits(first_run):
     tmp, ns, rec = first_run
     last = sorted((tmp / "logs" / "draft" / "checkpoints").glob("*-last"))
     assert last, list((tmp / "logs").rglob("*"))
-    base = load_model(last[-1])
-    assert is_project_spec(base)
+    base = load_model(last[-1], base_only=True)
+    assert is_project_spec(base) and unwrap_speculative(base) is None
     ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = foreign_forward(rec.spec.gpt, ids).logits
         got = gpt_forward(base, ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert find_tokenizer_dir(last[-1]) is not None
+
+
+def test_the_trained_draft_loads_back_from_nemos_checkpoint(first_run, tmp_path):
+    """The draft trained by llm.train is recovered from NeMo's checkpoint alone (the settings the integration
+    records in its common state, the tensors NeMo saved as module.eagle_module.*): it was lost with the job."""
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.inference import SamplingParams, generate
+
+    tmp, _, rec = first_run
+    spec = load_model(_last_checkpoint(tmp))
+    assert unwrap_speculative(spec) is spec and spec.algorithm == rec.spec.algorithm == "eagle3"
+    assert spec.spec_config.to_dict() == rec.spec.spec_config.to_dict()
+    want = {k: v for k, v in rec.spec.draft.state_dict().items() if torch.is_tensor(v)}
+    got = spec.draft.state_dict()
+    assert want.keys() == {k for k, v in got.items() if torch.is_tensor(v)}
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    prompt = [[5, 9, 17, 3, 22, 8]]
+    assert generate(spec, prompt, params, method="eagle")[0].tokens == generate(spec, prompt, params)[0].tokens
+    from nemo_spec.export import export_checkpoint  # scripts/export.py --checkpoint <NeMo checkpoint>
+
+    out = export_checkpoint(_last_checkpoint(tmp), tmp_path / "export", dtype="fp32", verify=True)
+    assert (out / "draft" / "vllm" / "config.json").is_file() and (out / "base" / "config.json").is_file()
 
 
 def test_trained_draft_exports_and_generates_losslessly(first_run, tmp_path):
@@ -271,3 +296,79 @@ def test_peagle_depth_warmup_follows_nemos_step(tmp_path, monkeypatch):
     assert rec.spec.algorithm == "peagle"
     assert sorted(set(seen)) == [(0, 1), (1, 3)], seen
     assert all(l == l for l in rec.losses)
+
+
+def _last_checkpoint(tmp: Path) -> Path:
+    last = sorted((tmp / "logs" / "draft" / "checkpoints").glob("*-last"))
+    assert last, list((tmp / "logs").rglob("*"))
+    return last[-1]
+
+
+def test_train_a_draft_on_a_restored_base_checkpoint(tmp_path):
+    """NeMo starts from a pretrained or llm.import_ckpt-ed model with AutoResume(restore_config=RestoreConfig(path))
+    (the finetune recipes do): MegatronStrategy.selective_restore loads strictly, and the base's checkpoint holds no
+    draft, so it failed before the first step ("module.eagle_module.fc.weight from model not in state dict").
+    The base is restored exactly, the draft keeps its initialisation and trains; a checkpoint that does hold the
+    draft still restores it (test_checkpoint_resumes)."""
+    from nemo import lightning as nl
+    from nemo.collections import llm
+
+    ns, rec = build(tmp_path / "base", STEPS)  # a base trained (LM steps) and saved by NeMo, no draft
+    llm.train(model=ns["model"], data=ns["data"], trainer=ns["trainer"], optim=ns["optim"], log=ns["log"],
+              tokenizer="data")
+    assert rec.spec is None
+    gpt = ns["model"].module
+    while hasattr(gpt, "module"):  # megatron DDP (and Float16Module) around NeMo's MCoreGPTModel
+        gpt = gpt.module
+    base = {k: v.detach().clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
+    ns2, rec2 = build(tmp_path / "draft", 2)
+    ns2["resume"] = nl.AutoResume(restore_config=nl.RestoreConfig(path=str(_last_checkpoint(tmp_path / "base"))))
+    run_snippet(ns2)
+    assert rec2.spec is unwrap_speculative(ns2["model"]) and rec2.start_step == 0
+    assert rec2.base0.keys() == base.keys()
+    assert all(torch.equal(rec2.base0[k], base[k]) for k in base), "the base was not restored"
+    assert rec2.opt_params == {id(p) for p in rec2.spec.draft_parameters()}
+    assert any(not torch.equal(v, rec2.draft0[k]) for k, v in rec2.spec.draft.named_parameters())
+    assert len(rec2.losses) == 2 and all(l == l for l in rec2.losses)
+
+
+def test_one_transform_object_serves_two_llm_train_runs(tmp_path):
+    """A transform object reused for a second llm.train (a notebook re-run, a second model) used to skip the second
+    model (its "applied" flag was the transform's, not the model's): that run trained every base parameter with the
+    LM loss, silently."""
+    from nemo_spec.integrations.nemo import SpeculativeTransform
+
+    t = SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)
+    runs = []
+    for i in range(2):
+        ns, rec = build(tmp_path / f"run{i}", 1)
+        ns["T"] = t
+        code = readme_snippet().replace("SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)", "T")
+        exec(compile(code, "README snippet", "exec"), ns)
+        runs.append((ns, rec))
+    assert runs[0][1].spec is not runs[1][1].spec
+    for ns, rec in runs:
+        assert rec.spec is not None and rec.spec is unwrap_speculative(ns["model"])
+        assert rec.opt_params == {id(p) for p in rec.spec.draft_parameters()}
+
+
+@pytest.mark.parametrize("field,value", [("window_size", [8, 0]), ("softmax_scale", 0.5), ("no_rope_freq", [0, 1]),
+                                         ("softmax_type", "off-by-one")])
+def test_nemo_checkpoint_attention_settings_the_spec_lacks_are_refused(first_run, tmp_path, field, value):
+    """model.yaml settings megatron applies but the project spec does not have (MistralConfig7B's window_size, a
+    softmax scale, layers without RoPE, another softmax) loaded as a different model without a word."""
+    import shutil
+
+    import yaml
+
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.checkpoint.megatron import CheckpointConfigError
+
+    tmp, _, _ = first_run
+    ckpt = Path(shutil.copytree(_last_checkpoint(tmp), tmp_path / "ckpt"))
+    f = ckpt / "context" / "model.yaml"
+    doc = yaml.safe_load(f.read_text())
+    doc["config"][field] = value
+    f.write_text(yaml.safe_dump(doc))
+    with pytest.raises(CheckpointConfigError, match=rf"config\.{field}="):
+        load_model(ckpt)
