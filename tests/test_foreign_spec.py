@@ -172,7 +172,6 @@ def test_conversion_refuses_what_it_cannot_represent():
 @pytest.mark.parametrize("config,gpt_kw,words", [
     ({"window_size": (6, 0)}, {}, r"window_size=\(6, 0\) \(sliding-window"),
     ({}, {"rotary_percent": 0.5}, r"rotary_percent=0.5 \(RoPE on 4 of 8 head dims\)"),
-    ({}, {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor=2.0"),
     ({}, {"position_embedding_type": "none"}, "position_embedding_type='none'"),
     ({"softmax_scale": 0.5}, {}, "softmax_scale=0.5"), ({"no_rope_freq": [0, 0, 1]}, {}, r"no_rope_freq=\[0, 0, 1\]"),
     ({"gated_linear_unit": False}, {}, "activation_func=silu without gated_linear_unit"),
@@ -183,6 +182,18 @@ def test_conversion_names_each_option_it_cannot_represent(config, gpt_kw, words)
     logits' (or, for 'none', converted to learned positions). Each is now refused by name, before any weights move."""
     with pytest.raises(ForeignSpecError, match=words):
         to_project_spec(local_spec_gpt(seed=8, gpt_kw=gpt_kw, **config))
+
+
+def test_seq_len_interpolation_converts_as_linear_rope_scaling():
+    """megatron's seq_len_interpolation_factor (positions / f) was refused by to_project_spec although load_model reads
+    the same setting from NeMo / Megatron-LM checkpoints as linear RoPE scaling (found by the NeMo review): a model
+    trained in memory with it could not be converted, generated with or exported."""
+    gpt = local_spec_gpt(seed=8, gpt_kw={"seq_len_interpolation_factor": 2.0}).eval()
+    conv = to_project_spec(gpt)
+    assert conv.nemo_spec_config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(gpt_forward(conv, ids).logits, own_forward(gpt, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_qk_layernorm_converts_and_a_rounded_rope_base_is_read_exactly():

@@ -157,6 +157,14 @@ def _inv_freq(gpt: torch.nn.Module) -> Optional[torch.Tensor]:
     return None if rot is None else getattr(rot, "inv_freq", None)
 
 
+def _interpolation(gpt: torch.nn.Module) -> Optional[float]:
+    """megatron's ``seq_len_interpolation_factor``: RotaryEmbedding divides the positions by it (megatron/core/models/
+    common/embeddings/rotary_pos_embedding.py ``get_freqs_non_repeated``), i.e. HF 'linear' RoPE scaling."""
+    rot = getattr(gpt, "rotary_pos_emb", None)
+    f = getattr(rot, "seq_len_interpolation_factor", None) if rot is not None else None
+    return float(f) if f else None
+
+
 def conversion_problems(gpt: torch.nn.Module) -> List[str]:
     """What of ``gpt``'s architecture nemo_spec's layer spec cannot represent (empty when it converts); each names
     the option, so that nothing is converted into a silently different model."""
@@ -180,9 +188,9 @@ def conversion_problems(gpt: torch.nn.Module) -> List[str]:
     if pos == "rope" and inv is not None and 2 * inv.numel() != c.kv_channels:
         problems.append(f"rotary_percent={2 * inv.numel() / c.kv_channels:g} (RoPE on {2 * inv.numel()} of "
                         f"{c.kv_channels} head dims)")
-    if getattr(gpt, "rotary_pos_emb", None) is not None and getattr(gpt.rotary_pos_emb, "seq_len_interpolation_factor",
-                                                                    None):
-        problems.append(f"seq_len_interpolation_factor={gpt.rotary_pos_emb.seq_len_interpolation_factor}")
+    interp = _interpolation(gpt)
+    if interp and getattr(c, "scale_factor", None) and getattr(c, "old_context_len", None):
+        problems.append(f"seq_len_interpolation_factor={interp} together with Llama-3.1 RoPE scaling")
     if getattr(c, "no_rope_freq", None):
         problems.append(f"no_rope_freq={c.no_rope_freq} (layers without RoPE)")
     if getattr(c, "softmax_scale", None) is not None:
@@ -226,7 +234,8 @@ def convert_gpt(gpt: torch.nn.Module, check_tokens: int = 16) -> torch.nn.Module
     inv = _inv_freq(gpt)
     if cfg.position_embedding == "rope" and inv is not None:
         ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        if ours.shape != inv.shape or not torch.allclose(ours, inv.float().cpu(), rtol=1e-5, atol=0):
+        theirs = inv.float().cpu() / (_interpolation(gpt) or 1.0)  # positions / f == frequencies / f
+        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-5, atol=0):
             raise ForeignSpecError(f"{type(gpt).__name__}'s RoPE frequencies are not those of theta={cfg.rope_theta} "
                                    f"(scaled RoPE?); nemo_spec cannot reproduce them when converting")
     p = next(gpt.parameters())

@@ -300,6 +300,9 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
                             "low_freq_factor": float(getattr(c, "low_freq_factor", 1.0)),
                             "high_freq_factor": float(getattr(c, "high_freq_factor", 4.0)),
                             "original_max_position_embeddings": int(c.old_context_len)}
+        elif getattr(gpt.rotary_pos_emb, "seq_len_interpolation_factor", None):
+            # megatron divides the positions by it (rotary_pos_embedding.py): HF 'linear' scaling
+            rope_scaling = {"rope_type": "linear", "factor": float(gpt.rotary_pos_emb.seq_len_interpolation_factor)}
     if c.gated_linear_unit:
         activation = "swiglu"
     else:
