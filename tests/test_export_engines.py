@@ -384,3 +384,27 @@ def test_foreign_eagle3_files_are_matched_to_the_models_aux_layers(exports, tmp_
         fix = r"" if name == "vllm_ids_in_eagle_config" else r".*aux_layers=\[1, 3, 4\]"  # read both ways there
         with pytest.raises(ExportError, match=r"reads base layers .*\[1, 3, 4\].* fed layers \[1, 3, 5\]" + fix):
             import_draft(built([1, 3, 5]), d)
+
+
+def test_tp2_import_of_a_foreign_eagle3_file_without_lm_head(tmp_path):
+    """At TP=2 every rank reads a vLLM-layout EAGLE-3 file another tool wrote (no nemo_spec_aux) without lm_head (a
+    full-vocabulary ModelOpt Megatron export: the base's output layer stands in, gathered over TP) into a model
+    whose aux layers are unsorted (fc's sorted blocks reordered): the draft equals the one exported, exactly."""
+    from nemo_spec.checkpoint import save_checkpoint
+    from nemo_spec.export import draft_state_dict
+    from tests.helpers import ROOT, run_torchrun
+
+    m = make_model("eagle3", draft_vocab_size=None, aux_layers=[2, 0, 1]).eval()
+    with torch.no_grad():  # a draft that predicts with the base's head, as such files mean
+        m.eagle_module.output_layer.weight.copy_(m.gpt.output_layer.weight)
+    ckpt = save_checkpoint(m, tmp_path / "ckpt")
+    exp = export_model(m, tmp_path / "exp", dtype="fp32", target="vllm")
+
+    def foreign(conf):
+        conf.pop("nemo_spec_aux")
+
+    d = _copy(exp / "draft", tmp_path / "foreign", foreign, lambda w: w.pop("lm_head.weight"))
+    torch.save({"ckpt": str(ckpt), "export": str(d), "draft": draft_state_dict(m), "algorithm": "eagle3",
+                "target": "vllm"}, tmp_path / "blob.pt")
+    assert "DRAFT_EXPORT_TP2_OK eagle3" in run_torchrun(ROOT / "tests" / "dist_scripts" / "draft_export_tp2.py",
+                                                        [tmp_path], timeout=300)

@@ -38,7 +38,7 @@ and read back into it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -354,12 +354,13 @@ def file_captured_layers(conf: Mapping[str, Any], num_layers: int) -> List[Tuple
 
 
 def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any], cfg: ModelConfig,
-                          aux: List[int] | None = None, base_lm_head: torch.Tensor | None = None,
+                          aux: List[int] | None = None, base_lm_head: Callable[[], torch.Tensor] | None = None,
                           d2t: torch.Tensor | None = None) -> Dict[str, torch.Tensor]:
     """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
     ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``). ``aux``: the model's aux layers;
     the file's fc must read the same base layers (:func:`file_captured_layers`), its blocks are put in ``aux`` order.
-    ``base_lm_head``: the base's output weight, for a full-vocabulary file without ``lm_head``; ``d2t``: the draft
+    ``base_lm_head``: returns the base's output weight (called, on every rank alike, only for a full-vocabulary file
+    without ``lm_head``: it may gather over TP); ``d2t``: the draft
     vocabulary map, for a reduced-vocabulary file without one."""
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
@@ -411,7 +412,7 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
         # a full-vocabulary draft without its own head predicts with the base's (ModelOpt's Megatron export writes
         # no lm_head then: unified_export_megatron.py:917-918, megatron_eagle.py:507-526 @ nvidia-modelopt 0.47.0)
         log.info("EAGLE-3 draft has no lm_head.weight and the full vocabulary: using the base's output layer")
-        tensors["lm_head.weight"] = base_lm_head
+        tensors["lm_head.weight"] = base_lm_head()
     for src, dst in ((first + "hidden_norm.weight", "layers.0.hidden_norm.weight"),
                      ("norm.weight", "final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
         if src not in tensors:
