@@ -408,3 +408,17 @@ def test_tp2_import_of_a_foreign_eagle3_file_without_lm_head(tmp_path):
                 "target": "vllm"}, tmp_path / "blob.pt")
     assert "DRAFT_EXPORT_TP2_OK eagle3" in run_torchrun(ROOT / "tests" / "dist_scripts" / "draft_export_tp2.py",
                                                         [tmp_path], timeout=300)
+
+
+def test_nonzero_attention_biases_the_draft_lacks_are_refused(exports, tmp_path):
+    """A vLLM EAGLE-3 file on a q/k/v-biased base carries o_proj biases (vLLM builds them from attention_bias): zeros
+    import (the same function), a trained nonzero one was dropped silently (found by review)."""
+    model, exp = exports["eagle3_qkv_bias"]
+
+    def o_bias(w):
+        w["midlayer.self_attn.o_proj.bias"] = torch.randn(w["midlayer.self_attn.o_proj.bias"].shape)
+
+    d = _copy(exp / "draft" / "vllm", tmp_path / "obias", tensor_edit=o_bias)
+    with pytest.raises(ExportError, match=r"nonzero attention biases .*midlayer\.self_attn\.o_proj\.bias"):
+        import_draft(_model("eagle3_qkv_bias"), d)
+    import_draft(_model("eagle3_qkv_bias"), exp / "draft" / "vllm")  # its zeros

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -181,9 +181,22 @@ def read_config(p: Path) -> Dict[str, Any]:
     c = doc["config"]
     cfg = model_config_from_yaml(c, _vocab_from_weights(p / "weights", source), source)
     dtype = _target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
-    return {"format": "nemo2", "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
-            "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
-            "target": _target(doc)}
+    out = {"format": "nemo2", "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
+           "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
+           "target": _target(doc)}
+    if _draft_tensors(p / "weights"):
+        spec = recorded_draft(p / "weights", cfg, source)
+        if spec is not None:
+            out["speculative"] = spec.to_dict()
+    return out
+
+
+def _draft_tensors(wdir: Path) -> List[str]:
+    """The draft modules whose tensors a NeMo checkpoint stores ('eagle_module', 'medusa_heads')."""
+    from megatron.core import dist_checkpointing
+
+    return sorted({k.split(".")[1] for k in dist_checkpointing.load_tensors_metadata(str(wdir))
+                   if k.startswith(("module.eagle_module.", "module.medusa_heads."))})
 
 
 def recorded_draft(wdir: Path, cfg: ModelConfig, source: str) -> Optional[Any]:
@@ -209,8 +222,6 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     """Load a NeMo 2 checkpoint at the current TP (any saved TP): the base GPTModel, or base + draft (a
     SpeculativeGPT) when the checkpoint holds a draft trained with nemo_spec's NeMo integration (its settings
     recorded in the common state) and ``base_only`` is False."""
-    from megatron.core import dist_checkpointing
-
     from nemo_spec.checkpoint import legacy
     from nemo_spec.checkpoint.megatron import (
         _DTYPES, _ensure_parallel, _target_tp, build_for_checkpoint, check_tp, load_dist_into,
@@ -224,9 +235,12 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     if dtype is None:
         dtype = _DTYPES.get(info["params_dtype"], torch.float32)
     wdir = p / "weights"
-    drafts = sorted({k.split(".")[1] for k in dist_checkpointing.load_tensors_metadata(str(wdir))
-                     if k.startswith(("module.eagle_module.", "module.medusa_heads."))})
-    spec = recorded_draft(wdir, cfg, source) if drafts and not base_only else None
+    drafts = _draft_tensors(wdir)
+    spec = None
+    if not base_only and info.get("speculative"):
+        from nemo_spec.checkpoint.megatron import speculative_config_from
+
+        spec = speculative_config_from(info, cfg, source)
     _ensure_parallel(tp)
     model = build_for_checkpoint(cfg, spec, dtype, source)
     load_dist_into(model, wdir, source, sharded_sd=legacy._dist_sharded_state_dict(model, wdir))

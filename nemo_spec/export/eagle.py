@@ -302,6 +302,18 @@ MODELOPT_EAGLE_KEYS = ("use_input_layernorm_in_first_layer", "next_layer_regular
                        "use_mtp_layernorm", "parallel_draft_step")
 
 
+def _refuse_unread_biases(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """A draft layer's attention biases our layers do not have (o_proj always; q/k/v unless the base has them):
+    zeros are the same function (vLLM drafts on q/k/v-biased bases carry a zero o_proj bias, see eagle3_to_engine),
+    anything else would be dropped silently."""
+    names = ("o_proj",) if cfg.add_qkv_bias else ("o_proj", "q_proj", "k_proj", "v_proj")
+    bad = sorted(k for k, v in tensors.items()
+                 if k.endswith(tuple(f"self_attn.{n}.bias" for n in names)) and bool(v.abs().max() > 0))
+    if bad:
+        raise ExportError(f"the draft file has nonzero attention biases this draft's layers do not have: {bad[:4]} "
+                          f"(nemo_spec's draft layers follow the base: q/k/v bias {cfg.add_qkv_bias}, no o_proj bias)")
+
+
 def _note_differences(conf: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Warn where an imported file says something the draft, as nemo_spec (and vLLM / SGLang) runs it, does not do."""
     ec = conf.get("eagle_config") or {}
@@ -406,6 +418,7 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                 sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
         out.update(layer_from_hf(sd, src, f"layers.{i}.", cfg, input_norm=True))
+    _refuse_unread_biases(tensors, cfg)
     tensors = dict(tensors)
     if "lm_head.weight" not in tensors and base_lm_head is not None and \
             int(conf.get("draft_vocab_size") or cfg.vocab_size) == cfg.vocab_size:

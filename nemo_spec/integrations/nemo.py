@@ -57,19 +57,20 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         """Arrange for the draft to be attached right after ``pl_module.configure_model``, and for a restore of a
         base checkpoint (NeMo's ``RestoreConfig``) to leave the draft out."""
         self._restore_base_only(trainer)
-        if getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
-            return
-        original = pl_module.configure_model
+        self._record_draft_on_save(trainer)
+        pl_module._nemo_spec_transform = self  # the transform of this fit (a later llm.train may pass another)
+        if not getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
+            original = pl_module.configure_model
 
-        @functools.wraps(original)
-        def configure_model(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self._attach(pl_module)
-            return out
+            @functools.wraps(original)
+            def configure_model(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                pl_module._nemo_spec_transform._attach(pl_module)
+                return out
 
-        configure_model._nemo_spec_wrapped = True  # type: ignore[attr-defined]
-        pl_module.configure_model = configure_model
-        if hasattr(pl_module, "module"):  # already configured (e.g. a model built by hand before llm.train)
+            configure_model._nemo_spec_wrapped = True  # type: ignore[attr-defined]
+            pl_module.configure_model = configure_model
+        if hasattr(pl_module, "module"):  # already configured (built by hand, or trained by an earlier llm.train)
             self._attach(pl_module)
 
     @staticmethod
@@ -99,8 +100,32 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         selective_restore._nemo_spec_wrapped = True  # type: ignore[attr-defined]
         strategy.selective_restore = selective_restore
 
+    @staticmethod
+    def _record_draft_on_save(trainer: Any) -> None:
+        """Record the draft's settings in every NeMo checkpoint (its common state, ``weights/common.pt``): with them
+        ``nemo_spec.checkpoint.load_model`` rebuilds base + draft from the checkpoint alone (the tensors are there as
+        ``module.eagle_module.*`` / ``module.medusa_heads.*``; without the settings a draft trained in a job that has
+        ended could not be recovered). Written at ``strategy.save_checkpoint``: callbacks' ``on_save_checkpoint`` is
+        skipped for weights-only saves, which NeMo's ModelCheckpoint makes at the end of training unless
+        ``save_optim_on_train_end``."""
+        strategy = getattr(trainer, "strategy", None)
+        original = getattr(strategy, "save_checkpoint", None)
+        if original is None or getattr(original, "_nemo_spec_wrapped", False):
+            return
+
+        @functools.wraps(original)
+        def save_checkpoint(checkpoint: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            spec = unwrap_speculative(trainer.lightning_module)
+            if spec is not None:
+                checkpoint[CHECKPOINT_KEY] = {"speculative": spec.spec_config.to_dict()}
+            return original(checkpoint, *args, **kwargs)
+
+        save_checkpoint._nemo_spec_wrapped = True  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_checkpoint
+
     def _attach(self, pl_module: Any) -> None:
-        if unwrap_speculative(pl_module) is not None:
+        if unwrap_speculative(pl_module) is not None:  # a draft from an earlier fit: the same one, or ConfigError
+            _BaseTransform.__call__(self, pl_module)
             return
         if not hasattr(pl_module, "module"):
             raise ConfigError(f"{type(pl_module).__name__}.configure_model did not create .module; "
@@ -135,15 +160,6 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the draft is attached and is what the optimizer holds."""
         self._maybe_apply_transform(trainer)
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
-        """Record the draft's settings in NeMo's checkpoint (its common state, ``weights/common.pt``): with them
-        ``nemo_spec.checkpoint.load_model`` rebuilds base + draft from the checkpoint alone (its tensors are there as
-        ``module.eagle_module.*`` / ``module.medusa_heads.*``; without the settings a draft trained in a job that has
-        ended could not be recovered)."""
-        spec = unwrap_speculative(pl_module)
-        if spec is not None:
-            checkpoint[CHECKPOINT_KEY] = {"speculative": spec.spec_config.to_dict()}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Tell the draft which optimizer step it trains (P-EAGLE's ``depth_warmup_steps``)."""

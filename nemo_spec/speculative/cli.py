@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from nemo_spec.config import ALGORITHMS, ConfigError, ModelConfig
+from nemo_spec.config import ALGORITHMS, ConfigError, ModelConfig, SpeculativeConfig
 from nemo_spec.entry import debug_requested, print_user_error
 
 log = logging.getLogger(__name__)
@@ -111,9 +111,17 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
     transform.validate_for(model_cfg, tp)  # draft vs base architecture, TP divisibility: before loading weights
     model_cfg.check_expert_parallel(ep)
     counts = _load_counts(token_counts, model_cfg.vocab_size) if token_counts is not None else None
+    base_only = False
+    if cfg_dict.get("speculative"):  # a checkpoint that already carries a draft (ours, or one trained through NeMo)
+        old = SpeculativeConfig.from_dict(cfg_dict["speculative"], source=f"{model_path}: speculative config")
+        why = transform.conflict(old, model_cfg, tp)
+        if why:  # attaching another draft is what this script is for: the checkpoint's base gets the new one
+            log.warning("%s: %s; the new draft is attached to the checkpoint's base instead (its %s draft is not "
+                        "carried over)", model_path, why, old.algorithm)
+            base_only = True
     parallel.initialize(tensor_parallel_size=tp, expert_parallel_size=ep)
     log.info("loading %s (tp=%d, ep=%d)", model_path, tp, ep)
-    model = load_model(model_path, tp_size=tp, ep_size=ep)
+    model = load_model(model_path, tp_size=tp, ep_size=ep, base_only=base_only)
     model = transform(model)
     if not isinstance(model, SpeculativeGPT):
         raise TypeError(f"expected a SpeculativeGPT after the transform, got {type(model).__name__}")

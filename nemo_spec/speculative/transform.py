@@ -203,12 +203,13 @@ class SpeculativeTransform:
             log.info("replaced %s.%s with a SpeculativeGPT", type(parent).__name__, name)
         return model
 
-    def _reapply(self, model: SpeculativeGPT) -> SpeculativeGPT:
-        """Idempotence: same draft -> no-op; a different draft/algorithm -> ConfigError (no stacking)."""
-        old, new = model.spec_config, self.config
+    def conflict(self, old: SpeculativeConfig, model_cfg: ModelConfig, tp: int) -> Optional[str]:
+        """Why this transform cannot re-apply to a model already carrying the draft ``old`` (None: it is the same
+        draft, re-applying is a no-op but for soft settings)."""
+        new = self.config
         if old.algorithm != new.algorithm:
-            raise ConfigError(f"model already carries a {old.algorithm} draft; refusing to stack {new.algorithm} on it")
-        new_checked = self.validate_for(model.model_config, parallel.tp_size())
+            return f"model already carries a {old.algorithm} draft; refusing to stack {new.algorithm} on it"
+        new_checked = self.validate_for(model_cfg, tp)
         diff = [f for f in ARCH_FIELDS[old.algorithm] if getattr(old, f) != getattr(new_checked, f)
                 and not (f == "aux_layers" and new_checked.aux_layers is None)
                 and not (f == "draft_vocab_size" and new_checked.draft_vocab_size is None)
@@ -216,7 +217,16 @@ class SpeculativeTransform:
                 and not (f == "target_layer_ids" and self.config.target_layer_ids is None)]
         if diff:
             detail = ", ".join(f"{f}: {getattr(old, f)!r} -> {getattr(new_checked, f)!r}" for f in diff)
-            raise ConfigError(f"model already carries a {old.algorithm} draft with a different shape ({detail})")
+            return f"model already carries a {old.algorithm} draft with a different shape ({detail})"
+        return None
+
+    def _reapply(self, model: SpeculativeGPT) -> SpeculativeGPT:
+        """Idempotence: same draft -> no-op; a different draft/algorithm -> ConfigError (no stacking)."""
+        old = model.spec_config
+        why = self.conflict(old, model.model_config, parallel.tp_size())
+        if why:
+            raise ConfigError(why)
+        new_checked = self.validate_for(model.model_config, parallel.tp_size())
         changed = {f: getattr(new_checked, f) for f in _SOFT_FIELDS if getattr(old, f) != getattr(new_checked, f)}
         if changed:
             log.info("speculative transform re-applied: %s", ", ".join(f"{f} -> {v}" for f, v in changed.items()))

@@ -59,7 +59,7 @@ class Record(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
 
 
-def build(tmp: Path, max_steps: int, resume: bool = False):
+def build(tmp: Path, max_steps: int, resume: bool = False, save_optim_on_train_end: bool = True):
     """(namespace for the README snippet, Record callback): tiny Llama model, mock data, CPU trainer."""
     from nemo import lightning as nl
     from nemo.collections import llm
@@ -95,7 +95,8 @@ def build(tmp: Path, max_steps: int, resume: bool = False):
                                                                 use_distributed_optimizer=False)),
         log=nl.NeMoLogger(log_dir=str(tmp / "logs"), name="draft", use_datetime_version=False,
                           ckpt=nl.ModelCheckpoint(save_last=True, every_n_train_steps=STEPS, save_top_k=1,
-                                                  monitor="reduced_train_loss", save_optim_on_train_end=True)),
+                                                  monitor="reduced_train_loss",
+                                                  save_optim_on_train_end=save_optim_on_train_end)),
         resume=nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=False) if resume else None,
     )
     return ns, record
@@ -209,6 +210,36 @@ def test_the_trained_draft_loads_back_from_nemos_checkpoint(first_run, tmp_path)
 
     out = export_checkpoint(_last_checkpoint(tmp), tmp_path / "export", dtype="fp32", verify=True)
     assert (out / "draft" / "vllm" / "config.json").is_file() and (out / "base" / "config.json").is_file()
+    out = export_checkpoint(_last_checkpoint(tmp), tmp_path / "named", fmt="eagle3", dtype="fp32", target="vllm")
+    assert (out / "draft" / "config.json").is_file()  # --format eagle3 said "has no draft"
+
+
+def test_the_draft_is_recorded_in_weights_only_checkpoints(tmp_path):
+    """NeMo's ModelCheckpoint saves weights only at the end of training unless save_optim_on_train_end (its
+    default is False), and Lightning skips callbacks' on_save_checkpoint for such saves: the record must still be
+    there, or the default run's final checkpoint loads without its draft."""
+    from nemo_spec.checkpoint import load_model
+
+    ns, rec = build(tmp_path, STEPS, save_optim_on_train_end=False)
+    run_snippet(ns)
+    spec = load_model(_last_checkpoint(tmp_path))
+    assert unwrap_speculative(spec) is spec and spec.algorithm == "eagle3"
+    assert all(torch.equal(spec.draft.state_dict()[k], v) for k, v in rec.spec.draft.state_dict().items()
+               if torch.is_tensor(v))
+
+
+def test_a_second_llm_train_with_another_draft_on_the_same_model_is_refused(tmp_path):
+    """llm.train again on the same model object with a different transform kept training the first draft silently
+    (found by review); the transform now re-applies to the module: the same draft continues, another is refused."""
+    from nemo_spec.config import ConfigError
+
+    ns, rec = train_readme_snippet_with(tmp_path / "a", 1, "SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)")
+    ns2, _ = build(tmp_path / "b", 1)
+    ns2["model"] = ns["model"]
+    code = readme_snippet().replace("SpeculativeTransform(num_eagle_layers=1, num_medusa_heads=0)",
+                                    "SpeculativeTransform(algorithm='medusa', num_medusa_heads=2)")
+    with pytest.raises(ConfigError, match="already carries a eagle3 draft; refusing to stack medusa"):
+        exec(compile(code, "README snippet", "exec"), ns2)
 
 
 def test_trained_draft_exports_and_generates_losslessly(first_run, tmp_path):
@@ -256,6 +287,13 @@ def test_gpt_speculate_takes_a_nemo_checkpoint(first_run, tmp_path):
         want = foreign_forward(rec.spec.gpt, ids).logits
         got = gpt_forward(spec.gpt, ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # the checkpoint carries the NeMo-trained eagle3 draft: another draft goes onto its base (it was refused)
+    r = subprocess.run([sys.executable, str(script), "--model_path", str(last), "--export_dir",
+                        str(tmp_path / "medusa"), "--algorithm", "medusa", "--num_medusa_heads", "2"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is not carried over" in r.stderr
+    assert load_model(tmp_path / "medusa").algorithm == "medusa"
 
 
 def test_dflash_q_k_norm_gradients_are_summed_in_nemos_finalize(tmp_path, monkeypatch):
