@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_spec.export import ExportError, export_checkpoint, export_model, import_draft
+from nemo_spec.export import ExportError, detect_draft_format, export_checkpoint, export_model, import_draft
 from nemo_spec.export.engines import EngineMismatch, format_table, verify_export
 from nemo_spec.export.engines import sglang, trtllm, vllm
 from nemo_spec.export.engines._llama import base_forward
@@ -422,3 +422,47 @@ def test_nonzero_attention_biases_the_draft_lacks_are_refused(exports, tmp_path)
     with pytest.raises(ExportError, match=r"nonzero attention biases .*midlayer\.self_attn\.o_proj\.bias"):
         import_draft(_model("eagle3_qkv_bias"), d)
     import_draft(_model("eagle3_qkv_bias"), exp / "draft" / "vllm")  # its zeros
+
+
+def _as_speculators(conf):
+    """Our vLLM EAGLE-3 config rewritten as vllm-project/speculators 0.9.0 saves one (models/eagle3/config.py:27-82):
+    architectures Eagle3DraftModel, the draft's Llama config nested under transformer_layer_config, vLLM-numbered ids
+    at the top level, its draft options off."""
+    conf.pop("nemo_spec_aux")
+    conf.pop("eagle_config", None)
+    keep = ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "tie_word_embeddings", "architectures")
+    layer = {k: conf.pop(k) for k in list(conf) if k not in keep}
+    conf.update(architectures=["Eagle3DraftModel"], speculators_model_type="eagle3", transformer_layer_config=layer,
+                norm_before_fc=False, norm_before_residual=False, norm_output=False, fc_norm=False,
+                target_hidden_size=None, speculators_config={"algorithm": "eagle3"})
+
+
+def _layers_0(w):
+    for k in [k for k in w if k.startswith("midlayer.")]:  # speculators names layer 0 layers.0.* (core.py:71-78)
+        w[k.replace("midlayer.", "layers.0.")] = w.pop(k)
+
+
+def test_speculators_eagle3_drafts_import_and_options_it_cannot_compute_are_refused(exports, tmp_path):
+    """speculators' EAGLE-3 files (the Hub's *-speculator.eagle3 drafts) were refused outright. They import now
+    (checked against files speculators 0.9.0's own save code wrote: logits equal to its own forward to 1e-6); the
+    options nemo_spec's draft does not compute (norm_before_fc with its input_norm tensor, norm_before_residual,
+    norm_output: the speculators trainer's defaults, core.py:236-306, model_definitions.py:73-103) and any tensor the
+    draft does not have are refused by name — they were ignored, a different draft (max logit error 1.79)."""
+    model, exp = exports["eagle3_reference_aux"]
+    d = _copy(exp / "draft" / "vllm", tmp_path / "spec", _as_speculators, _layers_0)
+    fresh = _model("eagle3_reference_aux")
+    fresh.gpt.load_state_dict(model.gpt.state_dict())
+    assert detect_draft_format(d) == "eagle3" and import_draft(fresh, d) == "eagle3"
+    assert (_draft(fresh) - _draft(model)).abs().max() < 1e-5
+    for flag in ("norm_before_fc", "norm_before_residual", "norm_output", "fc_norm"):
+        e = _copy(d, tmp_path / flag, lambda c: c.update({flag: True}))
+        with pytest.raises(ExportError, match=f"trained with {flag}.*not supported"):
+            import_draft(_model("eagle3_reference_aux"), e)
+    e = _copy(d, tmp_path / "input_norm", tensor_edit=lambda w: w.update({"input_norm.weight": torch.ones(3 * 64)}))
+    with pytest.raises(ExportError, match=r"tensors this EAGLE-3 draft does not have: \['input_norm.weight'\].*"
+                                          r"norm_before_fc"):
+        import_draft(_model("eagle3_reference_aux"), e)
+    e = _copy(exp / "draft" / "vllm", tmp_path / "qnorm",
+              tensor_edit=lambda w: w.update({"midlayer.self_attn.q_norm.weight": torch.ones(16)}))
+    with pytest.raises(ExportError, match=r"does not have: \['midlayer.self_attn.q_norm.weight'\]"):
+        import_draft(_model("eagle3_reference_aux"), e)

@@ -481,9 +481,11 @@ def detect_draft_format(path: PathLike) -> str:
     arch = (conf.get("architectures") or [None])[0]
     if conf.get("speculators_model_type") == "peagle":  # before eagle3: it also has draft_vocab_size
         return "peagle"
+    if conf.get("speculators_model_type") == "eagle3":  # vllm-project/speculators (models/eagle3/config.py)
+        return "eagle3"
     if conf.get("speculators_model_type"):
         raise ExportError(f"{d / 'config.json'}: speculators_model_type {conf['speculators_model_type']!r} is not "
-                          f"imported (only 'peagle')")
+                          f"imported (only 'eagle3' and 'peagle')")
     if isinstance(conf.get("medusa"), dict) and "num_medusa_heads" in conf["medusa"]:
         return "medusa_modelopt"  # ModelOpt's export_hf_checkpoint of a Medusa model (plugins/hf_medusa.py:63-80)
     if "medusa_num_heads" in conf or conf.get("model_type") == "medusa":
@@ -533,7 +535,7 @@ def import_draft(model: torch.nn.Module, path: PathLike, d2t: Union[None, PathLi
         raise ExportError(f"d2t= applies to EAGLE-3 drafts; {d} holds a {fmt} draft")
     conf = read_json(d / "config.json")
     cfg: ModelConfig = spec.model_config
-    if fmt == "peagle":
+    if conf.get("speculators_model_type"):  # the draft's Llama config is nested (speculators format)
         conf = dict(conf.get("transformer_layer_config") or {}, **conf)
     if "hidden_size" in conf and int(conf["hidden_size"]) != cfg.hidden_size:
         raise ExportError(f"{d / 'config.json'}: hidden_size={conf['hidden_size']} but the model has {cfg.hidden_size}")

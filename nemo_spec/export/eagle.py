@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import torch
 
 from nemo_spec.config import ModelConfig, SpeculativeConfig
-from nemo_spec.export.formats import ExportError, layer_from_hf, layer_to_hf
+from nemo_spec.export.formats import ExportError, layer_from_hf, layer_hf_names, layer_to_hf
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +314,50 @@ def _refuse_unread_biases(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig)
                           f"(nemo_spec's draft layers follow the base: q/k/v bias {cfg.add_qkv_bias}, no o_proj bias)")
 
 
+#: what a draft file's tensors may hold besides its layers (d2t/t2d: vocabulary maps; embed_tokens: the base's table,
+#: stored by speculators / EAGLE-1 layouts; biases are checked by _refuse_unread_biases)
+_TOP_LEVEL = {"fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
+_HINTS = {"input_norm.weight": "speculators' norm_before_fc (an RMSNorm over the concatenated features before fc)",
+          "fc_norm.": "a per-feature norm before fc (fc_norm)"}
+
+
+def _refuse_unknown_tensors(tensors: Mapping[str, torch.Tensor], prefixes: List[str], cfg: ModelConfig) -> None:
+    """Every tensor of the file must be one this draft reads: one it does not (a norm before fc, q/k norms the
+    base's layers lack, ...) is part of the function the draft was trained as, and dropping it gave another one."""
+    known = set(_TOP_LEVEL)
+    for p in prefixes:
+        known |= layer_hf_names(p, cfg) | {p + "hidden_norm.weight"}
+    unknown = sorted(k for k in tensors if k not in known and not k.endswith(
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias",
+         "rotary_emb.inv_freq")))
+    if unknown:
+        hints = sorted({h for k in unknown for pre, h in _HINTS.items() if k.startswith(pre)})
+        raise ExportError(f"the draft file has tensors this EAGLE-3 draft does not have: {unknown[:6]}"
+                          + (f" ({'; '.join(hints)}): not supported" if hints else ""))
+
+
+def _refuse_unsupported_options(conf: Mapping[str, Any], cfg: ModelConfig) -> None:
+    """Draft options of vLLM's speculators format (speculators 0.9.0 models/eagle3/config.py:27-82, core.py:236-306)
+    and SpecForge's (modeling/draft/llama3_eagle.py) that nemo_spec's EAGLE-3 draft does not compute."""
+    speculators = conf.get("speculators_model_type") == "eagle3"
+    bad = [k for k in ("norm_before_fc", "norm_before_residual", "fc_norm") if conf.get(k)]
+    if speculators and conf.get("norm_output"):  # speculators: the normalised hidden feeds the next drafting step
+        bad.append("norm_output")
+    if not speculators and conf.get("norm_output") is False:  # SpecForge: logits without the final norm (:1690)
+        bad.append("norm_output=false")
+    th = conf.get("target_hidden_size")
+    if th not in (None, cfg.hidden_size):
+        bad.append(f"target_hidden_size={th} (the base's hidden size is {cfg.hidden_size})")
+    if bad:
+        raise ExportError(f"the draft was trained with {', '.join(bad)}, which nemo_spec's EAGLE-3 draft does not "
+                          f"compute (speculators core.py:236-306 / model_definitions.py:73-103): not supported")
+    window = conf.get("sliding_window") if conf.get("use_sliding_window", True) else None
+    if window and "sliding_attention" in (conf.get("layer_types") or []) and int(window) < cfg.max_position_embeddings:
+        log.warning("the draft was trained with a %d-token sliding window (layer_types); nemo_spec's draft attends "
+                    "to the whole context: the same function for contexts up to %d tokens, another beyond", window,
+                    window)
+
+
 def _note_differences(conf: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Warn where an imported file says something the draft, as nemo_spec (and vLLM / SGLang) runs it, does not do."""
     ec = conf.get("eagle_config") or {}
@@ -418,7 +462,9 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                 sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
         out.update(layer_from_hf(sd, src, f"layers.{i}.", cfg, input_norm=True))
+    _refuse_unsupported_options(conf, cfg)
     _refuse_unread_biases(tensors, cfg)
+    _refuse_unknown_tensors(tensors, prefixes, cfg)
     tensors = dict(tensors)
     if "lm_head.weight" not in tensors and base_lm_head is not None and \
             int(conf.get("draft_vocab_size") or cfg.vocab_size) == cfg.vocab_size:

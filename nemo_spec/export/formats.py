@@ -13,7 +13,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -74,6 +74,14 @@ def layer_from_hf(sd: Mapping[str, torch.Tensor], src: str, dst: str, cfg: Model
     """Inverse of :func:`layer_to_hf`: HF decoder-layer tensors under ``src`` -> Megatron keys under ``dst``."""
     return rules_to_megatron(DRAFT_LAYER, sd, cfg.draft_config(), src, dst,
                              skip_tags=() if input_norm else ("input_norm",), error=ExportError)
+
+
+def layer_hf_names(src: str, cfg: ModelConfig, input_norm: bool = True) -> Set[str]:
+    """The HF tensor names :func:`layer_from_hf` reads under ``src`` (what a draft layer of ``cfg`` has)."""
+    c = cfg.draft_config()
+    skip = () if input_norm else ("input_norm",)
+    return {src + name for base in DRAFT_LAYER if base.tag not in skip and base.applies(c)
+            for rule in base.expand(c) for name in rule.theirs}
 
 
 # ----------------------------------------------------------------------------------------------- files
