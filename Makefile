@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast test-nemo test-modelopt test-smollm2 quickstart quickstart-smollm2 clean
+.PHONY: venv test test-fast test-nemo test-modelopt test-speculators test-smollm2 quickstart quickstart-smollm2 clean
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,6 +54,23 @@ test-modelopt: $(STAMP) $(MODELOPT_STAMP)
 	OMP_NUM_THREADS=1 $(MODELOPT_VENV)/bin/python tests/modelopt/make_exports.py $$d && \
 	NEMO_SPEC_MODELOPT_EXPORTS=$$d OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/modelopt
 
+# EAGLE-3 drafts of vllm-project/speculators (the Hub's *-speculator.eagle3 format): speculators 0.9.0's own model
+# and save code write them in its side environment (~4 min to build, ~10 s to run), the project's environment imports
+SPECULATORS_VENV ?= .venv-speculators
+SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
+
+$(SPECULATORS_STAMP): tests/speculators/requirements.txt tests/speculators/constraints.txt
+	test -x $(SPECULATORS_VENV)/bin/python || $(PY) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPECULATORS_VENV)/bin/python -m pip install -q -r tests/speculators/requirements.txt -c tests/speculators/constraints.txt
+	$(SPECULATORS_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0
+	touch $(SPECULATORS_STAMP)
+
+test-speculators: $(STAMP) $(SPECULATORS_STAMP)
+	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
+	OMP_NUM_THREADS=1 $(SPECULATORS_VENV)/bin/python tests/speculators/make_exports.py $$d && \
+	NEMO_SPEC_SPECULATORS_EXPORTS=$$d OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/speculators
+
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
 
@@ -67,4 +84,4 @@ test-smollm2: $(STAMP)
 	NEMO_SPEC_TEST_SMOLLM2=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_gguf.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) $(SPECULATORS_VENV) .pytest_cache
