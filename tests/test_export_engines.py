@@ -458,6 +458,9 @@ def test_speculators_eagle3_drafts_import_and_options_it_cannot_compute_are_refu
         e = _copy(d, tmp_path / flag, lambda c: c.update({flag: True}))
         with pytest.raises(ExportError, match=f"trained with {flag}.*not supported"):
             import_draft(_model("eagle3_reference_aux"), e)
+    e = _copy(d, tmp_path / "absent", lambda c: c.pop("norm_before_residual"))  # vLLM's default then: true
+    with pytest.raises(ExportError, match=r"trained with norm_before_residual \(absent: vLLM reads it as true"):
+        import_draft(_model("eagle3_reference_aux"), e)
     e = _copy(d, tmp_path / "input_norm", tensor_edit=lambda w: w.update({"input_norm.weight": torch.ones(3 * 64)}))
     with pytest.raises(ExportError, match=r"tensors this EAGLE-3 draft does not have: \['input_norm.weight'\].*"
                                           r"norm_before_fc"):

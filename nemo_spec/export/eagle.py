@@ -341,6 +341,8 @@ def _refuse_unsupported_options(conf: Mapping[str, Any], cfg: ModelConfig) -> No
     and SpecForge's (modeling/draft/llama3_eagle.py) that nemo_spec's EAGLE-3 draft does not compute."""
     speculators = conf.get("speculators_model_type") == "eagle3"
     bad = [k for k in ("norm_before_fc", "norm_before_residual", "fc_norm") if conf.get(k)]
+    if speculators and "norm_before_residual" not in conf:  # vLLM reads an absent one as True for speculators'
+        bad.insert(0, "norm_before_residual (absent: vLLM reads it as true, speculators/algos.py:33-35)")  # eagle3
     if speculators and conf.get("norm_output"):  # speculators: the normalised hidden feeds the next drafting step
         bad.append("norm_output")
     if not speculators and conf.get("norm_output") is False:  # SpecForge: logits without the final norm (:1690)
