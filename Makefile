@@ -38,38 +38,40 @@ test-nemo: $(NEMO_STAMP)
 	OMP_NUM_THREADS=1 $(NEMO_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEMO_OWN_TESTS)
 	OMP_NUM_THREADS=1 $(NEMO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/nemo
 
+# Import suites against drafts other tools write with their own code in a side environment ($(1): the venv, $(2): the
+# suite under tests/ with requirements.txt, constraints.txt, make_exports.py; $(3): the env var naming the exports)
+define side_venv
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -r tests/$(2)/requirements.txt -c tests/$(2)/constraints.txt
+endef
+define import_suite
+	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
+	OMP_NUM_THREADS=1 $(1)/bin/python tests/$(2)/make_exports.py $$d && \
+	$(3)=$$d OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/$(2)
+endef
+
 # Drafts trained with NVIDIA Model Optimizer: ModelOpt 0.47's own code exports EAGLE-3 and Medusa drafts in its side
 # environment (~2 min to build, ~20 s to run), then the project's environment imports them (tests/modelopt)
 MODELOPT_VENV ?= .venv-modelopt
-MODELOPT_STAMP := $(MODELOPT_VENV)/.installed
+$(MODELOPT_VENV)/.installed: tests/modelopt/requirements.txt tests/modelopt/constraints.txt
+	$(call side_venv,$(MODELOPT_VENV),modelopt)
+	touch $@
 
-$(MODELOPT_STAMP): tests/modelopt/requirements.txt tests/modelopt/constraints.txt
-	test -x $(MODELOPT_VENV)/bin/python || $(PY) -m venv $(MODELOPT_VENV)
-	$(MODELOPT_VENV)/bin/python -m pip install -q --upgrade pip
-	$(MODELOPT_VENV)/bin/python -m pip install -q -r tests/modelopt/requirements.txt -c tests/modelopt/constraints.txt
-	touch $(MODELOPT_STAMP)
-
-test-modelopt: $(STAMP) $(MODELOPT_STAMP)
-	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
-	OMP_NUM_THREADS=1 $(MODELOPT_VENV)/bin/python tests/modelopt/make_exports.py $$d && \
-	NEMO_SPEC_MODELOPT_EXPORTS=$$d OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/modelopt
+test-modelopt: $(STAMP) $(MODELOPT_VENV)/.installed
+	$(call import_suite,$(MODELOPT_VENV),modelopt,NEMO_SPEC_MODELOPT_EXPORTS)
 
 # EAGLE-3 drafts of vllm-project/speculators (the Hub's *-speculator.eagle3 format): speculators 0.9.0's own model
 # and save code write them in its side environment (~4 min to build, ~10 s to run), the project's environment imports
+# them (tests/speculators); speculators itself without its declared dependencies (see its requirements.txt)
 SPECULATORS_VENV ?= .venv-speculators
-SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
-
-$(SPECULATORS_STAMP): tests/speculators/requirements.txt tests/speculators/constraints.txt
-	test -x $(SPECULATORS_VENV)/bin/python || $(PY) -m venv $(SPECULATORS_VENV)
-	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SPECULATORS_VENV)/bin/python -m pip install -q -r tests/speculators/requirements.txt -c tests/speculators/constraints.txt
+$(SPECULATORS_VENV)/.installed: tests/speculators/requirements.txt tests/speculators/constraints.txt
+	$(call side_venv,$(SPECULATORS_VENV),speculators)
 	$(SPECULATORS_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0
-	touch $(SPECULATORS_STAMP)
+	touch $@
 
-test-speculators: $(STAMP) $(SPECULATORS_STAMP)
-	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
-	OMP_NUM_THREADS=1 $(SPECULATORS_VENV)/bin/python tests/speculators/make_exports.py $$d && \
-	NEMO_SPEC_SPECULATORS_EXPORTS=$$d OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/speculators
+test-speculators: $(STAMP) $(SPECULATORS_VENV)/.installed
+	$(call import_suite,$(SPECULATORS_VENV),speculators,NEMO_SPEC_SPECULATORS_EXPORTS)
 
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
