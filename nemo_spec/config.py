@@ -253,6 +253,10 @@ EAGLE3_LIKE = ("eagle3", "peagle")
 DFLASH_TARGETS = ("base", "rollout", "data")
 
 
+#: EAGLE-3 options of the speculators format (SpeculativeConfig)
+SPECULATORS_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
 @dataclass
 class SpeculativeConfig:
     """Which draft to attach to the base model, and its shape."""
@@ -280,6 +284,13 @@ class SpeculativeConfig:
     #: parallelism); "data" -- the sequence's x_{p+k} (the reference's CE, right when the data is the base's own
     #: generations)
     dflash_targets: str = "base"
+    #: EAGLE-3 draft options of vLLM's speculators format (speculators models/eagle3/core.py:236-306,
+    #: model_definitions.py:73-103; vLLM llama_eagle3.py reads them): an RMSNorm (``input_norm``, width 3h) over the
+    #: concatenated base features before ``fc``; layer 0's attention residual is ``hidden_norm(feature)`` instead
+    #: of the feature; the draft's normalised output (not the pre-norm one) is the next drafting step's feature
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     def validate(self, model: Optional[ModelConfig] = None) -> "SpeculativeConfig":
         """Raise ConfigError naming the invalid field; returns self."""
@@ -293,6 +304,10 @@ class SpeculativeConfig:
             _check(isinstance(self.num_medusa_layers, int) and self.num_medusa_layers > 0,
                    f"num_medusa_layers must be > 0, got {self.num_medusa_layers!r}")
         _check(isinstance(self.ttt_steps, int) and self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps!r}")
+        for name in SPECULATORS_OPTIONS:
+            v = getattr(self, name)
+            _check(isinstance(v, bool), f"{name} must be true or false, got {v!r}")
+            _check(not v or self.algorithm == "eagle3", f"{name} is an EAGLE-3 draft option, not {self.algorithm}'s")
         if self.algorithm == "dflash":
             _check(_is_int(self.block_size) and self.block_size >= 2,
                    f"block_size must be an int >= 2 for dflash (one anchor + at least one draft slot), "

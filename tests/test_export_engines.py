@@ -35,6 +35,9 @@ CASES = {  # name -> (alg, transform kwargs, base config kwargs)
                                                     rope_theta=5e5)),
     # one captured layer: SGLang skips fc (features no wider than the embedding)
     "eagle3_single_aux": ("eagle3", dict(aux_layers=[2, 2, 2]), {}),
+    # vLLM's speculators options (the speculators trainer's defaults), unsorted aux: input_norm's blocks follow fc's
+    "eagle3_speculators_options": ("eagle3", dict(aux_layers=[4, 1, 3], num_eagle_layers=2, norm_before_fc=True,
+                                                  norm_before_residual=True, norm_output=True), dict(num_layers=8)),
 }
 EXPECT = {  # engines that must verify ok; the others must say 'unsupported' with a reason
     "eagle3_reduced": {"vllm", "sglang", "trtllm"},
@@ -49,6 +52,7 @@ EXPECT = {  # engines that must verify ok; the others must say 'unsupported' wit
     "eagle3_linear_rope": {"vllm", "sglang", "trtllm", "reference"},
     "eagle1_linear_rope_theta": {"vllm", "sglang"},
     "eagle3_single_aux": {"vllm"},
+    "eagle3_speculators_options": {"vllm"},
 }
 
 
@@ -442,28 +446,32 @@ def _layers_0(w):
         w[k.replace("midlayer.", "layers.0.")] = w.pop(k)
 
 
-def test_speculators_eagle3_drafts_import_and_options_it_cannot_compute_are_refused(exports, tmp_path):
+def test_speculators_eagle3_drafts_import_and_their_options_must_match(exports, tmp_path):
     """speculators' EAGLE-3 files (the Hub's *-speculator.eagle3 drafts) were refused outright. They import now
-    (checked against files speculators 0.9.0's own save code wrote: logits equal to its own forward to 1e-6); the
-    options nemo_spec's draft does not compute (norm_before_fc with its input_norm tensor, norm_before_residual,
-    norm_output: the speculators trainer's defaults, core.py:236-306, model_definitions.py:73-103) and any tensor the
-    draft does not have are refused by name — they were ignored, a different draft (max logit error 1.79)."""
+    (checked against files speculators 0.9.0's own save code wrote, tests/speculators). Its draft options
+    (norm_before_fc with its input_norm tensor, norm_before_residual, norm_output: the speculators trainer's
+    defaults) must be the model's — a file trained with them imported into a draft without them was another function
+    (max logit error 1.79) — and a speculators config without norm_before_residual means true, as vLLM reads it."""
     model, exp = exports["eagle3_reference_aux"]
     d = _copy(exp / "draft" / "vllm", tmp_path / "spec", _as_speculators, _layers_0)
     fresh = _model("eagle3_reference_aux")
     fresh.gpt.load_state_dict(model.gpt.state_dict())
     assert detect_draft_format(d) == "eagle3" and import_draft(fresh, d) == "eagle3"
     assert (_draft(fresh) - _draft(model)).abs().max() < 1e-5
-    for flag in ("norm_before_fc", "norm_before_residual", "norm_output", "fc_norm"):
+    for flag in ("norm_before_residual", "norm_output"):
         e = _copy(d, tmp_path / flag, lambda c: c.update({flag: True}))
-        with pytest.raises(ExportError, match=f"trained with {flag}.*not supported"):
+        with pytest.raises(ExportError, match=rf"trained with {flag}=True, this model's draft with {flag}=False.*"
+                                              rf"SpeculativeTransform\(\.\.\., {flag}=True\)"):
             import_draft(_model("eagle3_reference_aux"), e)
+    e = _copy(d, tmp_path / "fc_norm", lambda c: c.update({"fc_norm": True}))
+    with pytest.raises(ExportError, match="trained with fc_norm.*not supported"):
+        import_draft(_model("eagle3_reference_aux"), e)
     e = _copy(d, tmp_path / "absent", lambda c: c.pop("norm_before_residual"))  # vLLM's default then: true
-    with pytest.raises(ExportError, match=r"trained with norm_before_residual \(absent: vLLM reads it as true"):
+    with pytest.raises(ExportError, match=r"norm_before_residual=True.*absent one as true"):
         import_draft(_model("eagle3_reference_aux"), e)
     e = _copy(d, tmp_path / "input_norm", tensor_edit=lambda w: w.update({"input_norm.weight": torch.ones(3 * 64)}))
     with pytest.raises(ExportError, match=r"tensors this EAGLE-3 draft does not have: \['input_norm.weight'\].*"
-                                          r"norm_before_fc"):
+                                          r"without norm_before_fc"):
         import_draft(_model("eagle3_reference_aux"), e)
     e = _copy(exp / "draft" / "vllm", tmp_path / "qnorm",
               tensor_edit=lambda w: w.update({"midlayer.self_attn.q_norm.weight": torch.ones(16)}))

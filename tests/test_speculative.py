@@ -420,3 +420,54 @@ def test_reapply_ignores_fields_of_other_algorithms():
     assert again is spec
     with pytest.raises(Exception, match="num_eagle_layers"):
         SpeculativeTransform(config=SpeculativeConfig(algorithm="eagle3", num_eagle_layers=2))(spec)
+
+
+def test_speculators_draft_options_train_save_and_decode(tmp_path):
+    """vLLM's speculators EAGLE-3 options (norm_before_fc: an input_norm over the 3h features before fc;
+    norm_before_residual: layer 0's residual is hidden_norm(feature); norm_output: the normalised output is the
+    next step's feature): they train (input_norm gets gradients), the generation path computes what the training
+    path does, they are checkpointed, greedy speculative decoding equals AR, and they are part of the draft's shape."""
+    from nemo_spec.checkpoint import load_model, save_checkpoint
+    from nemo_spec.inference import SamplingParams, generate
+    from tests.speculative_utils import perturb_draft, train_draft
+
+    opts = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+    torch.manual_seed(0)
+    cfg = tiny_llama(num_layers=4)
+    m = SpeculativeTransform(algorithm="eagle3", num_eagle_layers=2, aux_layers=[2, 0, 1], **opts)(build_gpt(cfg))
+    plain = SpeculativeTransform(algorithm="eagle3", num_eagle_layers=2, aux_layers=[2, 0, 1])(build_gpt(cfg))
+    assert m.num_draft_parameters() == plain.num_draft_parameters() + 3 * cfg.hidden_size  # input_norm [3h]
+    perturb_draft(m, 1, 0.2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = m.eagle_module.input_norm.weight.detach().clone()
+    losses = [float(r["loss"]) for r in train_draft(m, ids, steps=4)]
+    assert losses[-1] < losses[0] and not torch.equal(before, m.eagle_module.input_norm.weight)
+    m.eval()
+    feats = m.fuse(m.base_features(m.base_forward(ids)))
+    with torch.no_grad():  # generation: the fast path
+        h_fast, l_fast = m.draft_step(ids, feats.detach())
+    h_mod, l_mod = m.draft_step(ids, feats.detach())  # training: the modules
+    assert (l_fast - l_mod).abs().max() < 1e-4 and (h_fast - h_mod).abs().max() < 1e-4
+    # norm_output: the output rows are normalised (the next step's feature), the logits come from them directly
+    assert torch.allclose(l_mod, m.eagle_module.output_layer(h_mod)[0], atol=1e-5)
+    loaded = load_model(save_checkpoint(m, tmp_path / "ckpt")).eval()
+    assert loaded.spec_config.norm_before_fc and loaded.spec_config.norm_output
+    with torch.no_grad():
+        assert torch.equal(loaded.draft_step(ids, loaded.fuse(loaded.base_features(loaded.base_forward(ids))))[1],
+                           l_fast)
+    prompts, params = [[5, 6, 7, 8, 5, 6, 7, 8], [3, 4, 9]], SamplingParams(max_new_tokens=10)
+    ar = [o.tokens for o in generate(m.gpt, prompts, params)]
+    for method in ("eagle", "eagle_tree"):
+        assert [o.tokens for o in generate(m, prompts, params, method=method)] == ar, method
+    with pytest.raises(ConfigError, match="different shape.*norm_before_fc: True -> False"):
+        SpeculativeTransform(algorithm="eagle3", num_eagle_layers=2, aux_layers=[2, 0, 1],
+                             norm_before_residual=True, norm_output=True)(m)
+    with pytest.raises(ConfigError, match="norm_output is an EAGLE-3 draft option, not medusa"):
+        SpeculativeConfig(algorithm="medusa", norm_output=True).validate()
+    from nemo_spec.speculative.cli import main as speculate_main  # scripts/gpt_speculate.py --norm_before_fc ...
+
+    base = save_checkpoint(m.gpt, tmp_path / "base")
+    assert speculate_main(["--model_path", str(base), "--export_dir", str(tmp_path / "cli"), "--num_eagle_layers", "1",
+                           "--norm_before_fc", "--norm_output"]) == 0
+    c = load_model(tmp_path / "cli").spec_config
+    assert c.norm_before_fc and c.norm_output and not c.norm_before_residual

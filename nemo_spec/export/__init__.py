@@ -543,7 +543,8 @@ def import_draft(model: torch.nn.Module, path: PathLike, d2t: Union[None, PathLi
     if fmt == "eagle3":
         neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg,
                                                   spec.spec_config.resolved_aux_layers(cfg.num_layers),
-                                                  base_lm_head=lambda: _base_output_weight(spec), d2t=_read_d2t(d2t))
+                                                  base_lm_head=lambda: _base_output_weight(spec), d2t=_read_d2t(d2t),
+                                                  options=eagle_fmt.model_options(spec.spec_config))
     elif fmt == "eagle1":
         neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)
     elif fmt == "dflash":

@@ -166,6 +166,15 @@ def _fc_from_captured(fc: torch.Tensor, aux: List[int], h: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _norm_blocks(w: torch.Tensor, order_from: List[int], order_to: List[int], h: int) -> torch.Tensor:
+    """``input_norm`` weight [n*h] with blocks of the layers ``order_from`` -> blocks of ``order_to`` (the same
+    distinct layers; an RMSNorm over the concatenation is the same function with its blocks permuted alike)."""
+    if sorted(order_from) != sorted(order_to) or len(set(order_from)) != len(order_from):
+        raise ExportError(f"norm_before_fc with aux layers {order_from}: input_norm is over the concatenated features "
+                          f"of distinct layers, which engines capture as {order_to}; it cannot be rewritten exactly")
+    return torch.cat([w[order_from.index(layer) * h:(order_from.index(layer) + 1) * h] for layer in order_to])
+
+
 def _eagle3_prefixes(n_layers: int, engine: str) -> List[str]:
     """File prefixes of the draft layers: ``midlayer.`` for one layer; several are ``layers.N.`` (vLLM/SGLang/
     reference), ``midlayer.N.`` for TensorRT-LLM @ b35ac1b64368, whose load_weights only prefixes ``model.``
@@ -177,9 +186,14 @@ def _eagle3_prefixes(n_layers: int, engine: str) -> List[str]:
 
 def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -> str | None:
     """Why ``engine`` cannot run this EAGLE-3 draft exactly (None when it can); see nemo_spec.export.engines."""
+    from nemo_spec.config import SPECULATORS_OPTIONS
     from nemo_spec.export.engines import reference
 
     aux = captured_layers(spec.resolved_aux_layers(cfg.num_layers))
+    on = [k for k in SPECULATORS_OPTIONS if getattr(spec, k, False)]
+    if on and engine != "vllm":
+        return (f"the draft options {on} (vLLM's speculators options, model_executor/models/llama_eagle3.py:101, "
+                f"184-187, 252) are checked for vLLM only")
     if engine == "sglang":
         if cfg.num_layers - 1 in aux:
             return (f"aux layer {cfg.num_layers - 1} is the base's last layer; SGLang captures layer inputs only "
@@ -271,6 +285,13 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         if engine != "trtllm":
             out["t2d"] = t2d
     conf = {"architectures": [EAGLE3_ARCH], **_llama_fields(cfg, n_layers), "draft_vocab_size": int(vd)}
+    from nemo_spec.config import SPECULATORS_OPTIONS
+
+    for k in SPECULATORS_OPTIONS:  # vLLM reads each from the draft config (llama_eagle3.py:101, 184-187, 252)
+        if getattr(spec, k, False):
+            conf[k] = True
+    if spec.norm_before_fc:  # over the features in the captured (sorted) order, like fc
+        out["input_norm.weight"] = _norm_blocks(_need(neutral, "input_norm.weight"), list(aux), uniq, h)
     launch: Dict[str, Any] = {}
     if engine == "vllm":  # vLLM id j = input of layer j = output of 0-based layer j-1 (vllm llama.py:428-441)
         ids = [i + 1 for i in uniq]
@@ -317,14 +338,15 @@ def _refuse_unread_biases(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig)
 #: what a draft file's tensors may hold besides its layers (d2t/t2d: vocabulary maps; embed_tokens: the base's table,
 #: stored by speculators / EAGLE-1 layouts; biases are checked by _refuse_unread_biases)
 _TOP_LEVEL = {"fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
-_HINTS = {"input_norm.weight": "speculators' norm_before_fc (an RMSNorm over the concatenated features before fc)",
+_HINTS = {"input_norm.weight": "an RMSNorm over the features before fc without norm_before_fc in the config",
           "fc_norm.": "a per-feature norm before fc (fc_norm)"}
 
 
-def _refuse_unknown_tensors(tensors: Mapping[str, torch.Tensor], prefixes: List[str], cfg: ModelConfig) -> None:
+def _refuse_unknown_tensors(tensors: Mapping[str, torch.Tensor], prefixes: List[str], cfg: ModelConfig,
+                            options: Mapping[str, bool]) -> None:
     """Every tensor of the file must be one this draft reads: one it does not (a norm before fc, q/k norms the
     base's layers lack, ...) is part of the function the draft was trained as, and dropping it gave another one."""
-    known = set(_TOP_LEVEL)
+    known = set(_TOP_LEVEL) | ({"input_norm.weight"} if options.get("norm_before_fc") else set())
     for p in prefixes:
         known |= layer_hf_names(p, cfg) | {p + "hidden_norm.weight"}
     unknown = sorted(k for k in tensors if k not in known and not k.endswith(
@@ -336,28 +358,57 @@ def _refuse_unknown_tensors(tensors: Mapping[str, torch.Tensor], prefixes: List[
                           + (f" ({'; '.join(hints)}): not supported" if hints else ""))
 
 
-def _refuse_unsupported_options(conf: Mapping[str, Any], cfg: ModelConfig) -> None:
-    """Draft options of vLLM's speculators format (speculators 0.9.0 models/eagle3/config.py:27-82, core.py:236-306)
-    and SpecForge's (modeling/draft/llama3_eagle.py) that nemo_spec's EAGLE-3 draft does not compute."""
+def model_options(spec: SpeculativeConfig) -> Dict[str, bool]:
+    """A draft config's speculators options (SpeculativeConfig.norm_before_fc / norm_before_residual / norm_output)."""
+    from nemo_spec.config import SPECULATORS_OPTIONS
+
+    return {k: bool(getattr(spec, k, False)) for k in SPECULATORS_OPTIONS}
+
+
+def file_options(conf: Mapping[str, Any]) -> Dict[str, bool]:
+    """The speculators draft options (SpeculativeConfig.norm_before_fc / norm_before_residual / norm_output) a file
+    says, read as vLLM reads them: from a speculators config with its defaults (norm_before_residual true when absent,
+    the others false: vllm transformers_utils/configs/speculators/algos.py:33-38), else from the Llama-style config
+    (all false when absent: model_executor/models/llama_eagle3.py:101, 184-187, 252)."""
     speculators = conf.get("speculators_model_type") == "eagle3"
-    bad = [k for k in ("norm_before_fc", "norm_before_residual", "fc_norm") if conf.get(k)]
-    if speculators and "norm_before_residual" not in conf:  # vLLM reads an absent one as True for speculators'
-        bad.insert(0, "norm_before_residual (absent: vLLM reads it as true, speculators/algos.py:33-35)")  # eagle3
-    if speculators and conf.get("norm_output"):  # speculators: the normalised hidden feeds the next drafting step
-        bad.append("norm_output")
-    if not speculators and conf.get("norm_output") is False:  # SpecForge: logits without the final norm (:1690)
-        bad.append("norm_output=false")
+    return {"norm_before_fc": bool(conf.get("norm_before_fc", False)),
+            "norm_before_residual": bool(conf.get("norm_before_residual", speculators)),
+            "norm_output": bool(conf.get("norm_output", False))}
+
+
+def _check_options(conf: Mapping[str, Any], cfg: ModelConfig, model_options: Mapping[str, bool] | None
+                   ) -> Dict[str, bool]:
+    """The file's draft options, checked against the model's (``model_options``: its SpeculativeConfig's); what no
+    nemo_spec draft computes is refused by name (fc_norm, a foreign target_hidden_size, SpecForge's norm_output=false)."""
+    speculators = conf.get("speculators_model_type") == "eagle3"
+    bad = []
+    if conf.get("fc_norm"):
+        bad.append("fc_norm")
+    if not speculators and conf.get("norm_output") is False and "llama3_eagle" in str(conf.get("auto_map", "")):
+        bad.append("norm_output=false")  # SpecForge: logits without the final norm (llama3_eagle.py:1690)
     th = conf.get("target_hidden_size")
     if th not in (None, cfg.hidden_size):
         bad.append(f"target_hidden_size={th} (the base's hidden size is {cfg.hidden_size})")
     if bad:
-        raise ExportError(f"the draft was trained with {', '.join(bad)}, which nemo_spec's EAGLE-3 draft does not "
-                          f"compute (speculators core.py:236-306 / model_definitions.py:73-103): not supported")
+        raise ExportError(f"the draft was trained with {', '.join(bad)}, which no nemo_spec EAGLE-3 draft computes: "
+                          f"not supported")
+    opts = file_options(conf)
+    if model_options is not None:
+        diff = {k: v for k, v in opts.items() if bool(model_options.get(k, False)) != v}
+        if diff:
+            how = " (norm_before_residual: vLLM reads an absent one as true for speculators configs, " \
+                  "speculators/algos.py:33-35)" if speculators and "norm_before_residual" not in conf and \
+                  "norm_before_residual" in diff else ""
+            raise ExportError(f"the draft was trained with {', '.join(f'{k}={v}' for k, v in diff.items())}, this "
+                              f"model's draft with {', '.join(f'{k}={not v}' for k, v in diff.items())}{how}: "
+                              f"transform the base with SpeculativeTransform(..., "
+                              f"{', '.join(f'{k}={v}' for k, v in diff.items())})")
     window = conf.get("sliding_window") if conf.get("use_sliding_window", True) else None
     if window and "sliding_attention" in (conf.get("layer_types") or []) and int(window) < cfg.max_position_embeddings:
         log.warning("the draft was trained with a %d-token sliding window (layer_types); nemo_spec's draft attends "
                     "to the whole context: the same function for contexts up to %d tokens, another beyond", window,
                     window)
+    return opts
 
 
 def _note_differences(conf: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -413,13 +464,15 @@ def file_captured_layers(conf: Mapping[str, Any], num_layers: int) -> List[Tuple
 
 def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any], cfg: ModelConfig,
                           aux: List[int] | None = None, base_lm_head: Callable[[], torch.Tensor] | None = None,
-                          d2t: torch.Tensor | None = None) -> Dict[str, torch.Tensor]:
+                          d2t: torch.Tensor | None = None,
+                          options: Mapping[str, bool] | None = None) -> Dict[str, torch.Tensor]:
     """EAGLE-3 draft files of any engine layout (+ config.json) -> draft tensors (layer 0 as ``midlayer.*`` or
     ``layers.0.*``; layers >= 1 normalised by ``input_layernorm`` or ``hidden_norm``). ``aux``: the model's aux layers;
     the file's fc must read the same base layers (:func:`file_captured_layers`), its blocks are put in ``aux`` order.
     ``base_lm_head``: returns the base's output weight (called, on every rank alike, only for a full-vocabulary file
     without ``lm_head``: it may gather over TP); ``d2t``: the draft
-    vocabulary map, for a reduced-vocabulary file without one."""
+    vocabulary map, for a reduced-vocabulary file without one; ``options``: the model's speculators draft options
+    (SpeculativeConfig), which the file's must equal."""
     n_layers = int(conf.get("num_hidden_layers", 1))
     if "fc.weight" not in tensors:
         raise ExportError("EAGLE-3 draft lacks 'fc.weight' (drafts without aux-hidden-state fusion are not supported)")
@@ -464,9 +517,14 @@ def eagle3_from_reference(tensors: Mapping[str, torch.Tensor], conf: Mapping[str
                 sd[f"{src}self_attn.{x}_proj.weight"] = wt[:, h:]
             sd[src + "input_layernorm.weight"] = sd[src + "hidden_norm.weight"]
         out.update(layer_from_hf(sd, src, f"layers.{i}.", cfg, input_norm=True))
-    _refuse_unsupported_options(conf, cfg)
+    opts = _check_options(conf, cfg, options)
     _refuse_unread_biases(tensors, cfg)
-    _refuse_unknown_tensors(tensors, prefixes, cfg)
+    _refuse_unknown_tensors(tensors, prefixes, cfg, opts)
+    if opts["norm_before_fc"]:
+        if "input_norm.weight" not in tensors:
+            raise ExportError("the draft's config says norm_before_fc but the file has no input_norm.weight")
+        w = tensors["input_norm.weight"]
+        out["input_norm.weight"] = _norm_blocks(w, captured_layers(aux), list(aux), h) if aux else w
     tensors = dict(tensors)
     if "lm_head.weight" not in tensors and base_lm_head is not None and \
             int(conf.get("draft_vocab_size") or cfg.vocab_size) == cfg.vocab_size:

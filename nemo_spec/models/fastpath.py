@@ -423,8 +423,9 @@ def fused_layer_forward(layer: torch.nn.Module, emb: torch.Tensor, feat: torch.T
     the MLP half; falls back to the module forward when not supported."""
     if not supported(layer):
         return layer(emb, feat, ctx)
-    x = torch.cat([norm(layer.input_layernorm, emb), norm(layer.hidden_norm, feat)], dim=-1)
-    h = feat + self_attention(layer.self_attention, x, ctx)
+    normed = norm(layer.hidden_norm, feat)
+    x = torch.cat([norm(layer.input_layernorm, emb), normed], dim=-1)
+    h = (normed if layer.norm_before_residual else feat) + self_attention(layer.self_attention, x, ctx)
     if "_nemo_compile" in layer.__dict__:  # opt-in torch.compile of the MLP half (models/compiled.py)
         from nemo_spec.models import compiled
 

@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash base layers fused into the draft, comma separated 0-based (default: the reference's)")
     p.add_argument("--mask_token_id", type=int, default=None,
                    help="P-EAGLE / DFlash mask placeholder id (default: pad id, else vocab_size - 1)")
+    for name, what in (("norm_before_fc", "an RMSNorm over the base features before fc"),
+                       ("norm_before_residual", "layer 0's residual is the normalised feature"),
+                       ("norm_output", "the normalised draft output is the next step's feature")):
+        p.add_argument(f"--{name}", action="store_true", default=None,
+                       help=f"EAGLE-3, vLLM speculators option: {what}")
     p.add_argument("--token_counts", type=str, default=None,
                    help="EAGLE-3: token frequencies (.pt tensor or JSON list, length = base vocab) used to pick the "
                         "draft vocabulary (most frequent tokens); default: the first draft_vocab_size ids")
@@ -85,7 +90,9 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
               aux_layers: Optional[List[int]] = None, ttt_steps: Optional[int] = None,
               token_counts: Optional[str] = None, tp_size: Optional[int] = None, overwrite: bool = False,
               ep_size: Optional[int] = None, block_size: Optional[int] = None,
-              target_layer_ids: Optional[List[int]] = None, mask_token_id: Optional[int] = None) -> Path:
+              target_layer_ids: Optional[List[int]] = None, mask_token_id: Optional[int] = None,
+              norm_before_fc: Optional[bool] = None, norm_before_residual: Optional[bool] = None,
+              norm_output: Optional[bool] = None) -> Path:
     """Load ``model_path``, apply SpeculativeTransform, save to ``export_dir``; returns the checkpoint path."""
     import torch.distributed as dist
 
@@ -97,7 +104,8 @@ def speculate(model_path: str, export_dir: str, algorithm: Optional[str] = None,
                                      num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
                                      draft_vocab_size=draft_vocab_size, aux_layers=aux_layers, ttt_steps=ttt_steps,
                                      block_size=block_size, target_layer_ids=target_layer_ids,
-                                     mask_token_id=mask_token_id)
+                                     mask_token_id=mask_token_id, norm_before_fc=norm_before_fc,
+                                     norm_before_residual=norm_before_residual, norm_output=norm_output)
     out = Path(export_dir).expanduser().absolute()
     if out.exists() and not overwrite:
         raise FileExistsError(f"--export_dir {out} already exists; pass --overwrite to replace it")
@@ -156,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   ttt_steps=args.ttt_steps, token_counts=args.token_counts, tp_size=args.tp_size,
                   overwrite=args.overwrite, ep_size=args.ep_size, block_size=args.block_size,
                   target_layer_ids=_parse_aux(args.target_layer_ids, "--target_layer_ids"),
-                  mask_token_id=args.mask_token_id)
+                  mask_token_id=args.mask_token_id, norm_before_fc=args.norm_before_fc,
+                  norm_before_residual=args.norm_before_residual, norm_output=args.norm_output)
     except (ConfigError, CheckpointError, FileExistsError) as e:  # one line, as every script's user errors
         if debug_requested():
             raise

@@ -220,8 +220,10 @@ class Eagle3FirstLayer(MegatronModule):
 
     def __init__(self, config: TransformerConfig, submodules: Eagle3FirstLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+                 pg_collection: Optional[ProcessGroupCollection] = None, norm_before_residual: bool = False) -> None:
         super().__init__(config=config)
+        #: speculators' option (vLLM llama_eagle3.py _norm_before_residual): the residual is hidden_norm(feature)
+        self.norm_before_residual = norm_before_residual
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.layer_number = layer_number
@@ -242,20 +244,24 @@ class Eagle3FirstLayer(MegatronModule):
 
     def forward(self, emb: torch.Tensor, feature: torch.Tensor, ctx: Optional[AttnContext] = None) -> torch.Tensor:
         """Token embeddings ``emb`` [s, b, h] and features ``feature`` [s, b, h] -> hidden states [s, b, h]."""
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], dim=-1)
+        normed = self.hidden_norm(feature)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         attn = self.self_attention(x, attention_mask=ctx)  # (output, bias)
         fused = self.config.bias_dropout_fusion
-        h = self.self_attn_bda(self.training, fused)(attn, feature, self.hidden_dropout)
+        residual = normed if self.norm_before_residual else feature
+        h = self.self_attn_bda(self.training, fused)(attn, residual, self.hidden_dropout)
         out = self.mlp(self.pre_mlp_layernorm(h))
         return self.mlp_bda(self.training, fused)(out, h, self.hidden_dropout)
 
 
-def eagle3_first_layer_spec() -> ModuleSpec:
-    """The EAGLE-3 first layer: the draft layer spec's parts, a 2h-input ``linear_qkv`` and a ``hidden_norm``."""
+def eagle3_first_layer_spec(norm_before_residual: bool = False) -> ModuleSpec:
+    """The EAGLE-3 first layer: the draft layer spec's parts, a 2h-input ``linear_qkv`` and a ``hidden_norm``
+    (``norm_before_residual``: speculators' option, the attention residual is the normalised feature)."""
     sub = draft_layer_spec().submodules
     attn = sub.self_attention
     attn.submodules.linear_qkv = ConcatInputColumnParallelLinear
-    return ModuleSpec(module=Eagle3FirstLayer, submodules=Eagle3FirstLayerSubmodules(
+    return ModuleSpec(module=Eagle3FirstLayer, params={"norm_before_residual": norm_before_residual},
+                      submodules=Eagle3FirstLayerSubmodules(
         input_layernorm=sub.input_layernorm, hidden_norm=WrappedTorchNorm, self_attention=attn,
         self_attn_bda=sub.self_attn_bda, pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp,
         mlp_bda=sub.mlp_bda))
@@ -287,11 +293,17 @@ class EagleDraft(MegatronModule):
         layers = []
         for i in range(self.num_layers):
             if i == 0:
-                spec = eagle3_first_layer_spec() if eagle3 else draft_layer_spec(skip_input_norm=True)
+                spec = (eagle3_first_layer_spec(spec_config.norm_before_residual) if eagle3
+                        else draft_layer_spec(skip_input_norm=True))
             else:
                 spec = draft_layer_spec()
             layers.append(build_module(spec, config=tcfg, layer_number=i + 1))
         self.layers = torch.nn.ModuleList(layers)
+        #: speculators' options (SpeculativeConfig): an RMSNorm over the 3h features before fc; the normalised
+        #: output as the next step's feature
+        self.input_norm = (WrappedTorchNorm(config=tcfg, hidden_size=3 * h, eps=tcfg.layernorm_epsilon)
+                           if spec_config.norm_before_fc else None)
+        self.norm_output = spec_config.norm_output
         if eagle3:
             self.final_layernorm = WrappedTorchNorm(config=tcfg, hidden_size=h, eps=tcfg.layernorm_epsilon)
             vd = spec_config.draft_vocab_size or model_config.vocab_size
@@ -365,6 +377,8 @@ class EagleDraft(MegatronModule):
             x = self._eagle3_first_layer(emb, feat, ctx, fast)
             for layer in self.layers[1:]:
                 x = self._layer(layer, x, ctx, fast)
+            if self.norm_output:  # what the next step reads is the normalised output (head_logits: no second norm)
+                x = fastpath.norm(self.final_layernorm, x) if fast else self.final_layernorm(x)
         if not head:
             return x.transpose(0, 1), None
         return x.transpose(0, 1), self.logits(base, x, gather).transpose(0, 1)
@@ -377,6 +391,13 @@ class EagleDraft(MegatronModule):
         logits = output_logits(base, x, fast=fastpath.active())
         return gather_vocab(logits) if gather else logits
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3 fused feature fc(features) [b, s, h] (after ``input_norm`` when the draft has one)."""
+        x = features.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
+
     def embed(self, base: torch.nn.Module, input_ids: torch.Tensor, fast: bool = False) -> torch.Tensor:
         """Token embeddings [s, b, h] of ``input_ids`` [b, s] from the frozen base embedding."""
         if fast and parallel.tp_size() == 1:
@@ -385,7 +406,9 @@ class EagleDraft(MegatronModule):
 
     def head_logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """EAGLE-3 draft head (final norm + lm_head over the draft vocabulary) on hidden rows [..., h]."""
-        if fastpath.active():
+        if self.norm_output:  # the rows are already normalised (forward)
+            logits = (fastpath.column(self.output_layer, x) if fastpath.active() else self.output_layer(x)[0])
+        elif fastpath.active():
             logits = fastpath.column(self.output_layer, fastpath.norm(self.final_layernorm, x))
         else:
             logits, _ = self.output_layer(self.final_layernorm(x))

@@ -148,7 +148,7 @@ class SpeculativeGPT(MegatronModule):
             return self.eagle_module.fuse(features)
         if self.algorithm not in EAGLE3_LIKE:
             return features
-        return self.eagle_module.fc(features.to(self.eagle_module.fc.weight.dtype))
+        return self.eagle_module.fuse(features)
 
     # ---- draft side -----------------------------------------------------------------------------------------
     def draft_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: Optional[AttnContext] = None,

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # (fields another algorithm uses, e.g. num_medusa_heads for an EAGLE draft, are ignored).
 ARCH_FIELDS = {
     "eagle1": ("num_eagle_layers",),
-    "eagle3": ("num_eagle_layers", "draft_vocab_size", "aux_layers"),
+    "eagle3": ("num_eagle_layers", "draft_vocab_size", "aux_layers", "norm_before_fc", "norm_before_residual",
+               "norm_output"),
     "medusa": ("num_medusa_heads", "num_medusa_layers"),
     "peagle": ("num_eagle_layers", "draft_vocab_size", "aux_layers", "mask_token_id"),
     "dflash": ("num_eagle_layers", "target_layer_ids", "mask_token_id"),
@@ -46,8 +47,10 @@ _DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_anchors", "loss_decay_g
 def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], num_medusa_heads: Optional[int],
                     num_medusa_layers: Optional[int], draft_vocab_size: Optional[int],
                     aux_layers: Optional[List[int]], ttt_steps: Optional[int],
-                    peagle: Optional[dict] = None, dflash: Optional[dict] = None) -> SpeculativeConfig:
+                    peagle: Optional[dict] = None, dflash: Optional[dict] = None,
+                    options: Optional[dict] = None) -> SpeculativeConfig:
     """Build a SpeculativeConfig from either spelling, raising ConfigError on contradictions."""
+    options = {k: v for k, v in (options or {}).items() if v is not None}
     peagle = {k: v for k, v in (peagle or {}).items() if v is not None}
     dflash = {k: v for k, v in (dflash or {}).items() if v is not None}
     if algorithm == "dflash" and "mask_token_id" in peagle:  # shared by P-EAGLE and DFlash
@@ -115,6 +118,7 @@ def _resolve_config(algorithm: Optional[str], num_eagle_layers: Optional[int], n
         ttt_steps=ttt_steps or defaults.ttt_steps,
         **peagle,
         **{k: (list(v) if k == "target_layer_ids" else v) for k, v in dflash.items()},
+        **options,
     )
     return cfg.validate()
 
@@ -131,7 +135,10 @@ class SpeculativeTransform:
                  block_size: Optional[int] = None, num_layers: Optional[int] = None,
                  target_layer_ids: Optional[List[int]] = None, num_anchors: Optional[int] = None,
                  loss_decay_gamma: Optional[float] = None, depth_warmup_steps: Optional[int] = None,
-                 dflash_targets: Optional[str] = None) -> None:
+                 dflash_targets: Optional[str] = None, norm_before_fc: Optional[bool] = None,
+                 norm_before_residual: Optional[bool] = None, norm_output: Optional[bool] = None) -> None:
+        options = dict(norm_before_fc=norm_before_fc, norm_before_residual=norm_before_residual,
+                       norm_output=norm_output)
         peagle = dict(parallel_depth=parallel_depth, mask_token_id=mask_token_id, cod_ratio=cod_ratio,
                       cod_ratio_min=cod_ratio_min, depth_warmup_steps=depth_warmup_steps)
         dflash = dict(block_size=block_size, target_layer_ids=target_layer_ids, num_anchors=num_anchors,
@@ -148,7 +155,8 @@ class SpeculativeTransform:
             given = {k: v for k, v in dict(algorithm=algorithm, num_eagle_layers=num_eagle_layers,
                                            num_medusa_heads=num_medusa_heads, num_medusa_layers=num_medusa_layers,
                                            draft_vocab_size=draft_vocab_size, aux_layers=aux_layers,
-                                           ttt_steps=ttt_steps, **peagle, **dflash).items() if v is not None}
+                                           ttt_steps=ttt_steps, **peagle, **dflash, **options).items()
+                     if v is not None}
             if given:
                 raise ConfigError(f"SpeculativeTransform: pass either config= or keyword settings, not both "
                                   f"(got config and {sorted(given)})")
@@ -157,7 +165,7 @@ class SpeculativeTransform:
             self.config = copy.deepcopy(config).validate()
         else:
             self.config = _resolve_config(algorithm, num_eagle_layers, num_medusa_heads, num_medusa_layers,
-                                          draft_vocab_size, aux_layers, ttt_steps, peagle, dflash)
+                                          draft_vocab_size, aux_layers, ttt_steps, peagle, dflash, options)
 
     def __repr__(self) -> str:
         return f"SpeculativeTransform({self.config})"

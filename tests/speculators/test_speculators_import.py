@@ -1,7 +1,7 @@
 """EAGLE-3 drafts written by vllm-project/speculators (the Hub's ``*-speculator.eagle3`` format) load with
 ``import_draft``: files its own save code wrote (tests/speculators/make_exports.py, speculators 0.9.0 in its side
-environment) give its own forward's draft logits; drafts trained with options nemo_spec's draft does not compute (the
-speculators trainer's defaults) are refused by name rather than imported as another function.
+environment) give its own forward's draft logits, with the speculators trainer's draft options too; a draft whose options
+or layers are not the model's is refused by name rather than imported as another function.
 
 Runs with ``make test-speculators`` (which builds the files and points NEMO_SPEC_SPECULATORS_EXPORTS at them); skipped
 otherwise.
@@ -29,32 +29,43 @@ def ref():
 
 
 def _model(d, **kw):
-    vd = d["draft_vocab_size"]
+    vd, flags = d["draft_vocab_size"], d["flags"]
     base = load_model(str(Path(EXPORTS) / "base"), dtype=torch.float32)
-    return SpeculativeTransform(algorithm="eagle3", num_eagle_layers=d["flags"]["num_layers"],
+    options = {k: flags[k] for k in ("norm_before_fc", "norm_before_residual", "norm_output")}
+    options.update(kw.pop("options", {}))
+    return SpeculativeTransform(algorithm="eagle3", num_eagle_layers=flags["num_layers"],
                                 aux_layers=kw.get("aux_layers", d["aux_layers_0based_outputs"]),
-                                draft_vocab_size=None if vd == 128 else vd)(base).eval()  # the base vocabulary: 128
+                                draft_vocab_size=None if vd == 128 else vd, **options)(base).eval()  # base vocab: 128
 
 
-def test_speculators_draft_imports_with_its_own_logits(ref):
-    d = ref["drafts"]["speculators_plain"]  # 2 layers, reduced vocabulary, vLLM ids [2, 4, 5]
-    assert detect_draft_format(Path(EXPORTS) / "speculators_plain") == "eagle3"
+@pytest.mark.parametrize("name", ["speculators_plain", "speculators_default"])
+def test_speculators_drafts_import_with_their_own_logits(ref, name):
+    """speculators_plain: 2 layers, reduced vocabulary, vLLM ids [2, 4, 5]; speculators_default: its trainer's
+    defaults (norm_before_fc, norm_before_residual, norm_output), ids [1, 3, 6]. Imported, the draft gives speculators'
+    own forward's logits, on nemo_spec's generation path (no gradients) and its training path alike."""
+    d = ref["drafts"][name]
+    assert detect_draft_format(Path(EXPORTS) / name) == "eagle3"
     m = _model(d)
-    assert import_draft(m, Path(EXPORTS) / "speculators_plain") == "eagle3"
-    assert torch.equal(m.eagle_module.d2t.cpu(), d["d2t"].long())
+    assert import_draft(m, Path(EXPORTS) / name) == "eagle3"
+    if d["d2t"] is not None:
+        assert torch.equal(m.eagle_module.d2t.cpu(), d["d2t"].long())
     with torch.no_grad():
         # our base's features are the tool's (hooked layer outputs of the same HF base)
         feats = m.base_features(m.base_forward(ref["input_ids"]))
         assert (feats - d["features"]).abs().max() < 1e-4
         logits = m.draft_step(d["draft_input_ids"], m.fuse(d["draft_features"]))[1].float()
     assert (logits - d["logits_ttt"][0]).abs().max() < 1e-4
+    with torch.enable_grad():
+        train = m.draft_step(d["draft_input_ids"], m.fuse(d["draft_features"]))[1].float()
+    assert (train - d["logits_ttt"][0]).abs().max() < 1e-4
+
+
+def test_other_layers_or_options_are_refused_by_name(ref):
+    d = ref["drafts"]["speculators_plain"]
     with pytest.raises(ExportError, match=r"reads base layers \[1, 3, 4\].*aux_layers=\[1, 3, 4\]"):
         import_draft(_model(d, aux_layers=[0, 3, 4]), Path(EXPORTS) / "speculators_plain")
-
-
-def test_speculators_trainer_defaults_are_refused_by_name(ref):
-    """norm_before_fc (an input_norm over the features), norm_before_residual and norm_output: imported they were
-    ignored, a different draft (max logit error 1.79 against speculators' own forward)."""
-    d = ref["drafts"]["speculators_default"]
-    with pytest.raises(ExportError, match="trained with norm_before_fc, norm_before_residual, norm_output.*not supported"):
-        import_draft(_model(d), Path(EXPORTS) / "speculators_default")
+    d = ref["drafts"]["speculators_default"]  # imported without its options it was another function (1.79)
+    with pytest.raises(ExportError, match="trained with norm_before_fc=True, norm_before_residual=True, "
+                                          "norm_output=True, this model's draft with"):
+        import_draft(_model(d, options=dict(norm_before_fc=False, norm_before_residual=False, norm_output=False)),
+                     Path(EXPORTS) / "speculators_default")

@@ -11,21 +11,27 @@ from nemo_spec.export.engines._llama import attention, mlp, rms
 
 def eagle3_forward(w: Mapping[str, torch.Tensor], conf: Mapping, emb: torch.Tensor, feat: torch.Tensor,
                    later_norm: str, qkv_bias: bool = False, o_bias: bool = False,
-                   fc_bias: bool = False) -> torch.Tensor:
+                   fc_bias: bool = False, norm_before_fc: bool = False,
+                   norm_before_residual: bool = False) -> torch.Tensor:
     """EAGLE-3 draft hidden (pre lm_head) from weights named ``layers.{i}.*``/``fc``/``norm``.
 
     Layer 0 attends over cat(input_layernorm(emb), hidden_norm(fc(feat))) with fc(feat) as residual; layers >= 1
     are Llama layers whose input norm is ``later_norm`` ('input_layernorm' in vLLM, 'hidden_norm' in SGLang);
     TensorRT-LLM's layers are all Eagle3 layers (engines.trtllm); the last residual goes through ``norm``.
+    vLLM's speculators options: ``norm_before_fc`` normalises the features with ``input_norm`` before fc
+    (llama_eagle3.py:223-231, 405), ``norm_before_residual`` makes hidden_norm(fc(feat)) the residual (:101-120).
     """
     eps = float(conf["rms_norm_eps"])
     hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
+    if norm_before_fc:
+        feat = rms(feat, w["input_norm.weight"], eps)
     x = feat @ w["fc.weight"].T
     if fc_bias:
         x = x + w["fc.bias"]
     p = "layers.0."
-    a = torch.cat([rms(emb, w[p + "input_layernorm.weight"], eps), rms(x, w[p + "hidden_norm.weight"], eps)], -1)
-    h = x + attention(a, w, p, conf, hd, qkv_bias, o_bias)
+    normed = rms(x, w[p + "hidden_norm.weight"], eps)
+    a = torch.cat([rms(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
+    h = (normed if norm_before_residual else x) + attention(a, w, p, conf, hd, qkv_bias, o_bias)
     h = h + mlp(rms(h, w[p + "post_attention_layernorm.weight"], eps), w, p)
     for i in range(1, int(conf["num_hidden_layers"])):
         p = f"layers.{i}."

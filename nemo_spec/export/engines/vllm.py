@@ -96,6 +96,11 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
         need += layer_names(f"layers.{i}.", "hidden_norm" if i == 0 else None, qkv_bias=qkv_bias, o_bias=qkv_bias)
     if vd != vocab:
         need.append("d2t")
+    # speculators options read from the draft config (llama_eagle3.py:101, 184-187, 252; norm_output changes only
+    # what the next step reads, not these logits)
+    nbfc, nbr = bool(conf.get("norm_before_fc", False)), bool(conf.get("norm_before_residual", False))
+    if nbfc:
+        need.append("input_norm.weight")  # RMSNorm(fc_input_size) (llama_eagle3.py:223-231)
     # Eagle3LlamaForCausalLM.load_weights returns None, so no missing-weight check runs: an absent tensor keeps
     # its init (torch.empty for linear layers; RMSNorm ones). Treat any absent parameter as a mismatch.
     require(w, need, "vllm", "parameters the draft builds but the file lacks (left uninitialised)")
@@ -106,7 +111,8 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
         raise EngineMismatch(f"vllm: no parameter for {unknown[:5]} (AutoWeightsLoader raises, utils.py:440-448)")
     emb = w["embed_tokens.weight"][ids[:, 1:]] if "embed_tokens.weight" in w else base.embed[ids[:, 1:]]
     feat = torch.cat([base.stream[j] for j in captured], -1)[:, :-1]  # llama.py:436-441: stream after layer j-1
-    hidden = eagle3_forward(w, conf, emb, feat, later_norm="input_layernorm", qkv_bias=qkv_bias, o_bias=qkv_bias)
+    hidden = eagle3_forward(w, conf, emb, feat, later_norm="input_layernorm", qkv_bias=qkv_bias, o_bias=qkv_bias,
+                            norm_before_fc=nbfc, norm_before_residual=nbr)
     logits = hidden @ w["lm_head.weight"].T
     base_ids = (torch.arange(vd) + w["d2t"].long()) if vd != vocab else None  # llama_eagle3.py:373-395
     return scatter_draft_logits(logits, base_ids, vocab)
