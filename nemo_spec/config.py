@@ -363,6 +363,11 @@ class SpeculativeConfig:
                 _check(len(self.aux_layers) == 3, f"aux_layers must list 3 base layers, got {self.aux_layers}")
                 for i in self.aux_layers:
                     _check(0 <= i < model.num_layers, f"aux_layers entry {i} outside [0, {model.num_layers})")
+            if self.norm_before_fc and self.algorithm == "eagle3":
+                aux = self.resolved_aux_layers(model.num_layers)
+                _check(len(set(aux)) == len(aux),
+                       f"norm_before_fc needs 3 distinct aux layers (engines capture each layer once; an RMSNorm over "
+                       f"the repeated features {aux} could not be exported), got {aux}: set aux_layers")
             if self.mask_token_id is not None:
                 _check(self.mask_token_id < model.vocab_size,
                        f"mask_token_id={self.mask_token_id} outside the base vocabulary [0, {model.vocab_size})")

@@ -477,3 +477,28 @@ def test_speculators_eagle3_drafts_import_and_their_options_must_match(exports, 
               tensor_edit=lambda w: w.update({"midlayer.self_attn.q_norm.weight": torch.ones(16)}))
     with pytest.raises(ExportError, match=r"does not have: \['midlayer.self_attn.q_norm.weight'\]"):
         import_draft(_model("eagle3_reference_aux"), e)
+
+
+def test_draft_option_edge_cases(exports, tmp_path):
+    """From a review: SpecForge's norm_output=false (logits without the final norm, llama3_eagle.py:1690) is refused
+    again; norm_before_fc is read from eagle_config first, as vLLM reads it (llama_eagle3.py:184-187); and
+    norm_before_fc over repeated aux layers is refused at the transform (no engine captures a layer twice, so it
+    could never be exported)."""
+    from nemo_spec.config import ConfigError
+
+    _, exp = exports["eagle3_speculators_options"]
+
+    def specforge(conf):
+        conf["norm_output"] = False
+
+    with pytest.raises(ExportError, match="trained with norm_output=false"):
+        import_draft(_model("eagle3_reduced"), _copy(exports["eagle3_reduced"][1] / "draft" / "vllm",
+                                                     tmp_path / "sf", specforge))
+
+    def in_eagle_config(conf):
+        conf["eagle_config"]["norm_before_fc"] = conf.pop("norm_before_fc")
+
+    assert import_draft(_model("eagle3_speculators_options"),
+                        _copy(exp / "draft" / "vllm", tmp_path / "ec", in_eagle_config)) == "eagle3"
+    with pytest.raises(ConfigError, match=r"norm_before_fc needs 3 distinct aux layers.*\[1, 1, 2\]"):
+        make_model("eagle3", aux_layers=[1, 1, 2], norm_before_fc=True)

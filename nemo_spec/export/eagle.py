@@ -191,6 +191,10 @@ def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -
 
     aux = captured_layers(spec.resolved_aux_layers(cfg.num_layers))
     on = [k for k in SPECULATORS_OPTIONS if getattr(spec, k, False)]
+    full_aux = spec.resolved_aux_layers(cfg.num_layers)
+    if spec.norm_before_fc and len(set(full_aux)) != len(full_aux):
+        return (f"norm_before_fc over the repeated aux layers {full_aux}: engines capture each layer once, an RMSNorm "
+                f"over fewer features is another function")
     if on and engine != "vllm":
         return (f"the draft options {on} (vLLM's speculators options, model_executor/models/llama_eagle3.py:101, "
                 f"184-187, 252) are checked for vLLM only")
@@ -371,7 +375,9 @@ def file_options(conf: Mapping[str, Any]) -> Dict[str, bool]:
     the others false: vllm transformers_utils/configs/speculators/algos.py:33-38), else from the Llama-style config
     (all false when absent: model_executor/models/llama_eagle3.py:101, 184-187, 252)."""
     speculators = conf.get("speculators_model_type") == "eagle3"
-    return {"norm_before_fc": bool(conf.get("norm_before_fc", False)),
+    ec = conf.get("eagle_config") if isinstance(conf.get("eagle_config"), dict) else {}
+    return {"norm_before_fc": bool(ec.get("norm_before_fc", conf.get("norm_before_fc", False))),  # eagle_config's
+            # first (llama_eagle3.py:184-187)
             "norm_before_residual": bool(conf.get("norm_before_residual", speculators)),
             "norm_output": bool(conf.get("norm_output", False))}
 
@@ -384,8 +390,8 @@ def _check_options(conf: Mapping[str, Any], cfg: ModelConfig, model_options: Map
     bad = []
     if conf.get("fc_norm"):
         bad.append("fc_norm")
-    if not speculators and conf.get("norm_output") is False and "llama3_eagle" in str(conf.get("auto_map", "")):
-        bad.append("norm_output=false")  # SpecForge: logits without the final norm (llama3_eagle.py:1690)
+    if not speculators and conf.get("norm_output") is False:  # SpecForge: logits without the final norm
+        bad.append("norm_output=false")  # (modeling/draft/llama3_eagle.py:1690, 1773; nemo_spec writes only true)
     th = conf.get("target_hidden_size")
     if th not in (None, cfg.hidden_size):
         bad.append(f"target_hidden_size={th} (the base's hidden size is {cfg.hidden_size})")

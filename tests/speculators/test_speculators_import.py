@@ -58,6 +58,18 @@ def test_speculators_drafts_import_with_their_own_logits(ref, name):
     with torch.enable_grad():
         train = m.draft_step(d["draft_input_ids"], m.fuse(d["draft_features"]))[1].float()
     assert (train - d["logits_ttt"][0]).abs().max() < 1e-4
+    # the later training-time-test steps read each step's output as the next feature (norm_output: the normalised
+    # one): nemo_spec's TTT logits equal speculators' own for every step (rows whose targets exist at that step)
+    from nemo_spec.speculative.losses import eagle3_losses
+
+    ids = ref["input_ids"]
+    with torch.no_grad():
+        res = eagle3_losses(m, ids, torch.ones_like(ids), m.base_forward(ids), ttt_steps=3, return_logits=True)
+    s = ids.shape[1]
+    for i, lg in enumerate(res["step_logits"]):
+        lg = lg.float().transpose(0, 1) if lg.shape[0] == s else lg.float()
+        n = s - 2 - i
+        assert (lg[:, :n] - d["logits_ttt"][i].float()[:, :n]).abs().max() < 1e-4, (name, i)
 
 
 def test_other_layers_or_options_are_refused_by_name(ref):
