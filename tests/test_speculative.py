@@ -468,6 +468,7 @@ def test_speculators_draft_options_train_save_and_decode(tmp_path):
 
     base = save_checkpoint(m.gpt, tmp_path / "base")
     assert speculate_main(["--model_path", str(base), "--export_dir", str(tmp_path / "cli"), "--num_eagle_layers", "1",
+                           "--aux_layers", "0,1,2",
                            "--norm_before_fc", "--norm_output"]) == 0
     c = load_model(tmp_path / "cli").spec_config
     assert c.norm_before_fc and c.norm_output and not c.norm_before_residual
