@@ -5,7 +5,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 
 class ConfigError(ValueError):
@@ -251,6 +251,12 @@ ALGORITHMS = ("eagle1", "eagle3", "medusa", "peagle", "dflash")
 EAGLE3_LIKE = ("eagle3", "peagle")
 #: what DFlash slots learn (SpeculativeConfig.dflash_targets)
 DFLASH_TARGETS = ("base", "rollout", "data")
+
+
+def rope_type(scaling: Optional[Mapping[str, Any]]) -> str:
+    """The RoPE type of an HF ``rope_scaling`` mapping (``rope_type``, or the legacy ``type``; 'default' when none)."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 #: EAGLE-3 options of the speculators format (SpeculativeConfig)

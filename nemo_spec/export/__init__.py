@@ -122,15 +122,6 @@ def _load_draft_full(spec: torch.nn.Module, full: Dict[str, torch.Tensor]) -> No
     spec.draft.load_state_dict({k: v.to(own[k].dtype) for k, v in shard.items()}, strict=False)
 
 
-def _base_output_weight(spec: torch.nn.Module) -> torch.Tensor:
-    """The base's full output-layer weight [V, h] (the embedding table when tied; gathered over TP)."""
-    out = getattr(spec.gpt, "output_layer", None)
-    if spec.gpt.share_embeddings_and_output_weights or out is None or out.weight is None:
-        return _base_embedding(spec)
-    key = "output_layer.weight"
-    return _gather_tp({key: out.weight.detach().cpu()}, gated=False)[key]
-
-
 def _read_d2t(d2t: Union[None, PathLike, torch.Tensor]) -> Optional[torch.Tensor]:
     """``import_draft``'s d2t: a tensor, or a file holding one (ModelOpt's draft vocabulary cache is ``torch.save(d2t)``:
     speculative/utils.py calibrate_frequent_vocab, plugins/hf_eagle.py:318-337 @ 0.47.0), or a dict with 'd2t'."""
@@ -523,6 +514,8 @@ def import_draft(model: torch.nn.Module, path: PathLike, d2t: Union[None, PathLi
     vocabulary map (tensor, or a ``torch.save``d one such as ModelOpt's draft vocabulary cache) for a
     reduced-vocabulary file that does not store it.
     """
+    from nemo_spec.speculative.eagle import _base_output_weight, _gather_rows
+
     spec = _unwrap_spec(model)
     if not is_speculative(spec):
         raise ExportError(f"import_draft needs a transformed model (SpeculativeGPT), got {type(model).__name__}")
@@ -543,7 +536,8 @@ def import_draft(model: torch.nn.Module, path: PathLike, d2t: Union[None, PathLi
     if fmt == "eagle3":
         neutral = eagle_fmt.eagle3_from_reference(tensors, conf, cfg,
                                                   spec.spec_config.resolved_aux_layers(cfg.num_layers),
-                                                  base_lm_head=lambda: _base_output_weight(spec), d2t=_read_d2t(d2t),
+                                                  base_lm_head=lambda: _gather_rows(_base_output_weight(spec.gpt)).cpu(),
+                                                  d2t=_read_d2t(d2t),
                                                   options=eagle_fmt.model_options(spec.spec_config))
     elif fmt == "eagle1":
         neutral = eagle_fmt.eagle1_from_reference(tensors, conf, cfg)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 
-from nemo_spec.config import ModelConfig, SpeculativeConfig
+from nemo_spec.config import SPECULATORS_OPTIONS, ModelConfig, SpeculativeConfig, rope_type
 from nemo_spec.export.formats import ExportError, layer_from_hf, layer_hf_names, layer_to_hf
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,8 @@ def _reference_rope(cfg: ModelConfig) -> Tuple[Dict[str, Any] | None, str | None
     """(rope_scaling for EaModel's draft config, why it cannot rotate like this base): EConfig takes None or exactly
     {type: linear|dynamic, factor: float > 1} (eagle/model/configs.py:126-145), and its scaled draft rotary ignores
     rope_theta (built with base 10000: cnets.py:225-231, cnets1.py:230-236)."""
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    factor = float(sc.get("factor", 1.0))
+    kind = rope_type(cfg.rope_scaling)
+    factor = float((cfg.rope_scaling or {}).get("factor", 1.0))
     if kind == "default" or (kind == "linear" and factor == 1.0):
         return None, None
     if kind != "linear":
@@ -186,13 +185,12 @@ def _eagle3_prefixes(n_layers: int, engine: str) -> List[str]:
 
 def eagle3_unsupported(cfg: ModelConfig, spec: SpeculativeConfig, engine: str) -> str | None:
     """Why ``engine`` cannot run this EAGLE-3 draft exactly (None when it can); see nemo_spec.export.engines."""
-    from nemo_spec.config import SPECULATORS_OPTIONS
     from nemo_spec.export.engines import reference
 
-    aux = captured_layers(spec.resolved_aux_layers(cfg.num_layers))
-    on = [k for k in SPECULATORS_OPTIONS if getattr(spec, k, False)]
     full_aux = spec.resolved_aux_layers(cfg.num_layers)
-    if spec.norm_before_fc and len(set(full_aux)) != len(full_aux):
+    aux = captured_layers(full_aux)
+    on = [k for k, v in model_options(spec).items() if v]
+    if spec.norm_before_fc and len(aux) != len(full_aux):
         return (f"norm_before_fc over the repeated aux layers {full_aux}: engines capture each layer once, an RMSNorm "
                 f"over fewer features is another function")
     if on and engine != "vllm":
@@ -289,11 +287,8 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         if engine != "trtllm":
             out["t2d"] = t2d
     conf = {"architectures": [EAGLE3_ARCH], **_llama_fields(cfg, n_layers), "draft_vocab_size": int(vd)}
-    from nemo_spec.config import SPECULATORS_OPTIONS
-
-    for k in SPECULATORS_OPTIONS:  # vLLM reads each from the draft config (llama_eagle3.py:101, 184-187, 252)
-        if getattr(spec, k, False):
-            conf[k] = True
+    # vLLM reads each option from the draft config (llama_eagle3.py:101, 184-187, 252)
+    conf.update({k: True for k, v in model_options(spec).items() if v})
     if spec.norm_before_fc:  # over the features in the captured (sorted) order, like fc
         out["input_norm.weight"] = _norm_blocks(_need(neutral, "input_norm.weight"), list(aux), uniq, h)
     launch: Dict[str, Any] = {}
@@ -364,9 +359,7 @@ def _refuse_unknown_tensors(tensors: Mapping[str, torch.Tensor], prefixes: List[
 
 def model_options(spec: SpeculativeConfig) -> Dict[str, bool]:
     """A draft config's speculators options (SpeculativeConfig.norm_before_fc / norm_before_residual / norm_output)."""
-    from nemo_spec.config import SPECULATORS_OPTIONS
-
-    return {k: bool(getattr(spec, k, False)) for k in SPECULATORS_OPTIONS}
+    return {k: bool(getattr(spec, k)) for k in SPECULATORS_OPTIONS}
 
 
 def file_options(conf: Mapping[str, Any]) -> Dict[str, bool]:
@@ -427,9 +420,8 @@ def _note_differences(conf: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
                     "layer 0's fused feature with input_layernorm and then hidden_norm; nemo_spec, vLLM and SGLang "
                     "apply hidden_norm only, so its acceptance here can be lower than in ModelOpt's own evaluation")
     sc = conf.get("rope_scaling") or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
     base = cfg.rope_scaling or {}
-    base_kind = base.get("rope_type", base.get("type", "default"))
+    kind, base_kind = rope_type(sc), rope_type(base)
     if kind != base_kind or (kind != "default" and float(sc.get("factor", 1)) != float(base.get("factor", 1))):
         log.warning("the draft's config.json says rope_scaling=%s but the base rotates with %s: nemo_spec runs the "
                     "draft with the base's RoPE (as it was trained), an engine would apply the file's (ModelOpt "
@@ -592,8 +584,9 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
                           "straight to the base lm_head) cannot represent")
     if engine == "reference" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ExportError("EAGLE-1 export for reference: EaModel assumes head_dim = hidden_size / num_heads")
-    if engine == "reference" and _reference_rope(cfg)[1]:
-        raise ExportError(f"EAGLE-1 export for reference: {_reference_rope(cfg)[1]}")
+    ref_scaling, why = _reference_rope(cfg) if engine == "reference" else (None, None)
+    if why:
+        raise ExportError(f"EAGLE-1 export for reference: {why}")
     out: Dict[str, torch.Tensor] = {"embed_tokens.weight": embedding, "fc.weight": _need(neutral, "fc.weight")}
     bias = neutral.get("fc.bias")
     for i in range(n_layers):
@@ -602,7 +595,7 @@ def eagle1_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
     qkv_bias = bool(cfg.add_qkv_bias)
     conf["attention_bias"] = qkv_bias
     if engine == "reference":
-        conf["rope_scaling"] = _reference_rope(cfg)[0]
+        conf["rope_scaling"] = ref_scaling
         conf["bias"] = bias is not None
         conf.pop("attention_bias")
         if qkv_bias:

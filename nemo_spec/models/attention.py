@@ -21,12 +21,14 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import AttnMaskType
 
+from nemo_spec.config import rope_type
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None) -> torch.Tensor:
     """Inverse RoPE frequencies (fp32), with HF-compatible 'linear' and 'llama3' scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling:
-        rtype = scaling.get("rope_type", scaling.get("type", "default"))
+        rtype = rope_type(scaling)
         factor = float(scaling.get("factor", 1.0))
         if rtype == "linear":
             inv_freq = inv_freq / factor

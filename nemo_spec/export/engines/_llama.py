@@ -24,6 +24,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_spec.config import rope_type
 from nemo_spec.export.formats import ExportError, load_tensors
 
 Tensors = Dict[str, torch.Tensor]
@@ -61,8 +62,9 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rope:
-    """A draft config's RoPE: base ``theta`` and its ``rope_scaling`` (None: default)."""
+    """A draft config's RoPE: base ``theta``, its type and its ``rope_scaling`` (None: default)."""
     theta: float
+    kind: str = "default"
     scaling: Optional[Mapping] = None
 
     def inv_freq(self, d: int) -> torch.Tensor:
@@ -72,11 +74,10 @@ class Rope:
         keeps wavelengths under ``orig/high_freq_factor``, divides those over ``orig/low_freq_factor`` by
         ``factor`` and blends between (rotary_embedding/llama3_rope.py:33-54)."""
         inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
-        if kind == "default":
+        if self.kind == "default":
             return inv
         factor = float(self.scaling["factor"])
-        if kind == "linear":
+        if self.kind == "linear":
             return inv / factor
         low, high = float(self.scaling["low_freq_factor"]), float(self.scaling["high_freq_factor"])
         orig = float(self.scaling["original_max_position_embeddings"])
@@ -99,12 +100,12 @@ class Rope:
 def check_rope(conf: Mapping) -> Rope:
     """The RoPE of a config, where the readers implement its type (default, linear, llama3)."""
     scaling = conf.get("rope_scaling") or None
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_type(scaling)
     if kind not in ("default", "linear", "llama3"):
         raise Unsupported(f"the conformance readers implement default, linear and llama3 RoPE; config has "
                           f"rope_scaling={scaling}")
     theta = float(conf.get("rope_theta", (conf.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
-    return Rope(theta, None if kind == "default" else scaling)
+    return Rope(theta, kind, None if kind == "default" else scaling)
 
 
 def attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str, conf: Mapping, head_dim: int,
