@@ -175,28 +175,32 @@ def tokenizer_dir(p: Path) -> Optional[Path]:
 
 
 def read_config(p: Path) -> Dict[str, Any]:
-    """{"format": "nemo2", "model": ModelConfig dict, "params_dtype", "tp_size_saved", "source", "target"}."""
+    """{"format": "nemo2", "model": ModelConfig dict, "params_dtype", "tp_size_saved", "source", "target",
+    "draft_modules" (draft tensors stored), ["speculative"] (the recorded draft)}."""
     doc = _read_yaml(p)
     source = str(p / "context" / "model.yaml")
     c = doc["config"]
     cfg = model_config_from_yaml(c, _vocab_from_weights(p / "weights", source), source)
     dtype = _target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
+    drafts = draft_modules(p / "weights")
     out = {"format": "nemo2", "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
            "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
-           "target": _target(doc)}
-    if _draft_tensors(p / "weights"):
+           "target": _target(doc), "draft_modules": drafts}
+    if drafts:
         spec = recorded_draft(p / "weights", cfg, source)
         if spec is not None:
             out["speculative"] = spec.to_dict()
     return out
 
 
-def _draft_tensors(wdir: Path) -> List[str]:
-    """The draft modules whose tensors a NeMo checkpoint stores ('eagle_module', 'medusa_heads')."""
+def draft_modules(wdir: Path) -> List[str]:
+    """The draft modules whose tensors a dist checkpoint stores ('eagle_module', 'medusa_heads'; under NeMo's
+    ``module.`` prefix or not)."""
     from megatron.core import dist_checkpointing
 
-    return sorted({k.split(".")[1] for k in dist_checkpointing.load_tensors_metadata(str(wdir))
-                   if k.startswith(("module.eagle_module.", "module.medusa_heads."))})
+    keys = (k[len("module."):] if k.startswith("module.") else k
+            for k in dist_checkpointing.load_tensors_metadata(str(wdir)))
+    return sorted({k.split(".")[0] for k in keys if k.startswith(("eagle_module.", "medusa_heads."))})
 
 
 def recorded_draft(wdir: Path, cfg: ModelConfig, source: str) -> Optional[Any]:
@@ -235,7 +239,7 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     if dtype is None:
         dtype = _DTYPES.get(info["params_dtype"], torch.float32)
     wdir = p / "weights"
-    drafts = _draft_tensors(wdir)
+    drafts = info["draft_modules"]
     spec = None
     if not base_only and info.get("speculative"):
         from nemo_spec.checkpoint.megatron import speculative_config_from

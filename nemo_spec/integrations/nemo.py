@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised where NeMo is absent
         f"'NeMo 2' for the tested pins ({e})") from e
 
 from nemo_spec import parallel
-from nemo_spec.checkpoint.nemo2 import CHECKPOINT_KEY
+from nemo_spec.checkpoint.nemo2 import CHECKPOINT_KEY, draft_modules
 from nemo_spec.config import ConfigError
 from nemo_spec.models.gpt import unwrap_speculative
 from nemo_spec.speculative.transform import SpeculativeTransform as _BaseTransform
@@ -59,17 +59,15 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         self._restore_base_only(trainer)
         self._record_draft_on_save(trainer)
         pl_module._nemo_spec_transform = self  # the transform of this fit (a later llm.train may pass another)
-        if not getattr(pl_module.configure_model, "_nemo_spec_wrapped", False):
-            original = pl_module.configure_model
 
-            @functools.wraps(original)
-            def configure_model(*args: Any, **kwargs: Any) -> Any:
+        def configure_model(original: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 pl_module._nemo_spec_transform._attach(pl_module)
                 return out
+            return wrapped
 
-            configure_model._nemo_spec_wrapped = True  # type: ignore[attr-defined]
-            pl_module.configure_model = configure_model
+        _wrap_once(pl_module, "configure_model", configure_model)
         if hasattr(pl_module, "module"):  # already configured (built by hand, or trained by an earlier llm.train)
             self._attach(pl_module)
 
@@ -82,23 +80,20 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         (the draft keeps its initialisation; every base tensor is still required); a checkpoint with the draft
         restores it too."""
         strategy = getattr(trainer, "strategy", None)
-        original = getattr(strategy, "selective_restore", None)
-        if original is None or getattr(original, "_nemo_spec_wrapped", False):
-            return
 
-        @functools.wraps(original)
-        def selective_restore(*args: Any, **kwargs: Any) -> Any:
-            spec = unwrap_speculative(trainer.lightning_module)
-            config = getattr(strategy, "restore_config", None)
-            if spec is None or config is None or _holds_draft(config.path, spec.draft_prefix):
-                return original(*args, **kwargs)
-            log.info("nemo_spec: %s holds no %sdraft: restoring the base only (the draft keeps its initialisation)",
-                     config.path, spec.draft_prefix)
-            with spec.base_only():
-                return original(*args, **kwargs)
+        def selective_restore(original: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                spec = unwrap_speculative(trainer.lightning_module)
+                config = getattr(strategy, "restore_config", None)
+                if spec is None or config is None or _holds_draft(config.path, spec.draft_prefix):
+                    return original(*args, **kwargs)
+                log.info("nemo_spec: %s holds no %sdraft: restoring the base only (the draft keeps its "
+                         "initialisation)", config.path, spec.draft_prefix)
+                with spec.base_only():
+                    return original(*args, **kwargs)
+            return wrapped
 
-        selective_restore._nemo_spec_wrapped = True  # type: ignore[attr-defined]
-        strategy.selective_restore = selective_restore
+        _wrap_once(strategy, "selective_restore", selective_restore)
 
     @staticmethod
     def _record_draft_on_save(trainer: Any) -> None:
@@ -108,20 +103,15 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         ended could not be recovered). Written at ``strategy.save_checkpoint``: callbacks' ``on_save_checkpoint`` is
         skipped for weights-only saves, which NeMo's ModelCheckpoint makes at the end of training unless
         ``save_optim_on_train_end``."""
-        strategy = getattr(trainer, "strategy", None)
-        original = getattr(strategy, "save_checkpoint", None)
-        if original is None or getattr(original, "_nemo_spec_wrapped", False):
-            return
+        def save_checkpoint(original: Any) -> Any:
+            def wrapped(checkpoint: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+                spec = unwrap_speculative(trainer.lightning_module)
+                if spec is not None:
+                    checkpoint[CHECKPOINT_KEY] = {"speculative": spec.spec_config.to_dict()}
+                return original(checkpoint, *args, **kwargs)
+            return wrapped
 
-        @functools.wraps(original)
-        def save_checkpoint(checkpoint: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            spec = unwrap_speculative(trainer.lightning_module)
-            if spec is not None:
-                checkpoint[CHECKPOINT_KEY] = {"speculative": spec.spec_config.to_dict()}
-            return original(checkpoint, *args, **kwargs)
-
-        save_checkpoint._nemo_spec_wrapped = True  # type: ignore[attr-defined]
-        strategy.save_checkpoint = save_checkpoint
+        _wrap_once(getattr(trainer, "strategy", None), "save_checkpoint", save_checkpoint)
 
     def _attach(self, pl_module: Any) -> None:
         if unwrap_speculative(pl_module) is not None:  # a draft from an earlier fit: the same one, or ConfigError
@@ -172,20 +162,28 @@ class SpeculativeTransform(_BaseTransform, ModelTransform):
         self._maybe_apply_transform(trainer)
 
 
+def _wrap_once(obj: Any, name: str, wrap: Any) -> None:
+    """Replace the method ``obj.<name>`` (if it exists) by ``wrap(original)`` once: a method already wrapped by
+    nemo_spec (a second setup of the same trainer or module) is left as it is."""
+    original = getattr(obj, name, None)
+    if original is None or getattr(original, "_nemo_spec_wrapped", False):
+        return
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped._nemo_spec_wrapped = True
+    setattr(obj, name, wrapped)
+
+
 def _holds_draft(path: Any, prefix: str) -> bool:
     """Whether the NeMo checkpoint at ``path`` (its ``weights/`` or the dist checkpoint itself) stores ``prefix``
     tensors (``module.eagle_module.*`` / ``module.medusa_heads.*``); True when it cannot tell (the strict load then
     decides, as before)."""
     from pathlib import Path
 
-    from megatron.core import dist_checkpointing
-
     p = Path(str(path))
     for d in (p / "weights", p):
         if (d / "metadata.json").is_file():
             try:
-                keys = dist_checkpointing.load_tensors_metadata(str(d))
+                return prefix.rstrip(".") in draft_modules(d)
             except Exception:  # an unreadable checkpoint: let NeMo's own load report it
                 return True
-            return any(k.startswith(("module." + prefix, prefix)) for k in keys)
     return True
