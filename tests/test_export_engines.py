@@ -239,37 +239,52 @@ def test_an_export_that_fails_verification_is_never_published(tmp_path):
     assert (export_model(model, out, dtype="fp16", verify=True) / "export_info.json").is_file()
 
 
-def test_trtllm_b35ac1b_multi_layer_names_and_every_layer_eagle3(exports, tmp_path):
+def test_trtllm_multi_layer_loads_in_both_snapshots(exports, tmp_path):
     """TensorRT-LLM @ b35ac1b64368: load_weights only prefixes 'model.' (modeling_speculative.py:301-305) onto
     midlayer.N (171-177), and every layer is an Eagle3DecoderLayer with input_layernorm + hidden_norm and a 2h qkv
-    (55-56, 97-107, 119-122). The old layers.N.* output with a Llama layer 1 loaded nothing for midlayer.1."""
+    (55-56, 97-107, 119-122). The old layers.N.* output with a Llama layer 1 loaded nothing for midlayer.1.
+    TensorRT-LLM @ 00679c66c3e3 (Eagle3DecoderLayer.__init__) builds layers >= 1 as *regular* layers (h-wide qkv,
+    no input_layernorm) unless eagle_config.next_layer_regular is false: the 2h layout without that key (what the
+    exporter wrote before) fails its qkv load, so the export writes the key (the older snapshot reads none)."""
     model, exp = exports["eagle3_full_2layers"]
     run = base_forward(exp / "base", IDS)
     d = exp / "draft" / "trtllm"
     w = load_file(str(d / "model.safetensors"))
+    conf = json.loads((d / "config.json").read_text())
+    assert conf["eagle_config"] == {"next_layer_regular": False}
     assert not any(k.startswith("layers.") for k in w) and "d2t" not in w and "t2d" not in w
     for i in (0, 1):
         for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             assert f"midlayer.{i}.{n}.weight" in w
         assert tuple(w[f"midlayer.{i}.self_attn.q_proj.weight"].shape) == (64, 128)
     assert w["midlayer.1.self_attn.q_proj.weight"][:, :64].abs().max() == 0  # layer 1 ignores the embedding
-    launch = {"eagle3_layers_to_capture": json.loads((d / "config.json").read_text())["nemo_spec_aux"]["captured"]}
-    assert (trtllm.draft_logits("eagle3", d, run, IDS, launch) - _draft(model)).abs().max() < 1e-4
+    launch = {"eagle3_layers_to_capture": conf["nemo_spec_aux"]["captured"]}
+    want = _draft(model)
+    for snap in trtllm.SNAPSHOTS:
+        assert (trtllm.eagle3_logits(d, run, IDS, launch, snap) - want).abs().max() < 1e-4
+    assert (trtllm.draft_logits("eagle3", d, run, IDS, launch) - want).abs().max() < 1e-4
 
-    def old_layout(t):  # what the exporter used to write: layers.N.*, layer 1 a Llama layer normed by hidden_norm
+    no_key = _copy(d, tmp_path / "no_key", conf_edit=lambda c: c.pop("eagle_config"))
+    assert (trtllm.eagle3_logits(no_key, run, IDS, launch, trtllm.SNAPSHOTS[0]) - want).abs().max() < 1e-4
+    with pytest.raises(EngineMismatch, match=r"00679c66c3e3: midlayer.1.self_attn.q_proj.weight \(64, 128\) has 128 "
+                                             r"inputs.*takes 64 there \(a regular layer"):
+        trtllm.draft_logits("eagle3", no_key, run, IDS, launch)
+
+    def regular(t):  # the layout 00679c66c3e3 builds by default: layers.N.* names, layer 1 a regular layer
         for k in list(t):
-            if k.startswith("midlayer.1."):
-                v = t.pop(k)
-                if k.endswith("input_layernorm.weight"):
-                    continue
-                t["layers.1." + k[len("midlayer.1."):]] = v[:, 64:].contiguous() if "_proj.weight" in k and ".self_attn." in k \
-                    and k.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else v
-            elif k.startswith("midlayer.0."):
-                t["layers.0." + k[len("midlayer.0."):]] = t.pop(k)
+            v = t.pop(k)
+            if k == "midlayer.1.input_layernorm.weight":
+                continue
+            if k.startswith("midlayer.1.self_attn.") and k.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+                v = v[:, 64:].contiguous()
+            t[k.replace("midlayer.", "layers.", 1) if k.startswith("midlayer.") else k] = v
 
-    old = _copy(d, tmp_path / "old", tensor_edit=old_layout)
-    with pytest.raises(EngineMismatch, match="name no module"):
-        trtllm.draft_logits("eagle3", old, run, IDS, launch)
+    reg = _copy(no_key, tmp_path / "regular", tensor_edit=regular)
+    assert (trtllm.eagle3_logits(reg, run, IDS, launch, trtllm.SNAPSHOTS[1]) - want).abs().max() < 1e-4
+    with pytest.raises(EngineMismatch, match="b35ac1b64368: .*name no module"):
+        trtllm.draft_logits("eagle3", reg, run, IDS, launch)
+    snippet = trtllm.launch_command("eagle3", exp / "base", d, capture=launch["eagle3_layers_to_capture"])
+    assert "eagle3_one_model" not in snippet and "speculative_model_dir=" in snippet  # an alias at 00679c66c3e3
 
 
 def test_trtllm_single_captured_layer_has_no_fc(exports, tmp_path):

@@ -177,7 +177,8 @@ def _norm_blocks(w: torch.Tensor, order_from: List[int], order_to: List[int], h:
 def _eagle3_prefixes(n_layers: int, engine: str) -> List[str]:
     """File prefixes of the draft layers: ``midlayer.`` for one layer; several are ``layers.N.`` (vLLM/SGLang/
     reference), ``midlayer.N.`` for TensorRT-LLM @ b35ac1b64368, whose load_weights only prefixes ``model.``
-    onto the module list ``midlayer`` (modeling_speculative.py:171-177, 301-305)."""
+    onto the module list ``midlayer`` (modeling_speculative.py:171-177, 301-305; later snapshots also rename
+    ``layers.N.`` to it)."""
     if n_layers == 1:
         return ["midlayer."]
     return [(f"midlayer.{i}." if engine == "trtllm" else f"layers.{i}.") for i in range(n_layers)]
@@ -253,8 +254,9 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         elif i > 0 and engine == "trtllm":
             # TensorRT-LLM @ b35ac1b64368: every layer is an Eagle3DecoderLayer whose qkv reads
             # cat(input_layernorm(embeds), hidden_norm(stream)) with 2h inputs (modeling_speculative.py:55-56,
-            # 97-107, 119-122). Our layer i >= 1 reads input_layernorm(stream) only: zero qkv columns for the
-            # embedding half and our input norm as hidden_norm give the same function exactly.
+            # 97-107, 119-122); later snapshots build it so with eagle_config.next_layer_regular false (below).
+            # Our layer i >= 1 reads input_layernorm(stream) only: zero qkv columns for the embedding half and
+            # our input norm as hidden_norm give the same function exactly, in both.
             layer[dst + "hidden_norm.weight"] = layer.pop(dst + "input_layernorm.weight")
             layer[dst + "input_layernorm.weight"] = torch.ones(h, dtype=layer[dst + "hidden_norm.weight"].dtype)
             for x in "qkv":
@@ -300,6 +302,11 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(uniq), "use_aux_hidden_state": True}
     elif engine == "trtllm":  # EagleDecodingConfig.eagle3_layers_to_capture: 0-based layer outputs (engines.trtllm)
         launch["eagle3_layers_to_capture"] = list(uniq)
+        if n_layers > 1:
+            # later TensorRT-LLM builds layers >= 1 as regular layers (h-wide qkv, no input_layernorm) unless
+            # eagle_config.next_layer_regular is false (modeling_speculative.py @ 00679c66c3e3,
+            # Eagle3DecoderLayer.__init__); b35ac1b64368 reads no eagle_config and builds the 2h layers written here
+            conf["eagle_config"] = {"next_layer_regular": False}
     elif engine == "reference":
         conf["rope_scaling"] = _reference_rope(cfg)[0]
     conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq), "engine": engine}
