@@ -474,15 +474,19 @@ def test_export_round_trips_through_every_engine_reader(exported):
 
     m, d = exported
     info = json.loads((d / "export_info.json").read_text())
-    assert info["format"] == "dflash" and sorted(info["engines"]) == ["reference", "sglang", "vllm"]
+    assert info["format"] == "dflash" and sorted(info["engines"]) == ["reference", "sglang", "trtllm", "vllm"]
     conf = json.loads((d / "draft" / "sglang" / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 4
     assert conf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]}
     assert "eagle_aux_hidden_state_layer_ids" not in conf and conf["rope_theta"] == 10000.0
     rows = verify_export(d, model=m, seq_len=11)
-    assert {r.engine: r.status for r in rows} == {"base": "ok", "vllm": "ok", "sglang": "ok", "reference": "ok"}
+    assert {r.engine: r.status for r in rows} == {"base": "ok", "vllm": "ok", "sglang": "ok", "reference": "ok",
+                                                  "trtllm": "ok"}
     assert all(r.max_abs_diff < 1e-4 for r in rows), rows
-    assert "DFLASH" in (d / "README.md").read_text() and '"method": "dflash"' in (d / "README.md").read_text()
+    readme = (d / "README.md").read_text()
+    assert "DFLASH" in readme and '"method": "dflash"' in readme
+    # TensorRT-LLM's block is max_draft_len + 1 slots (speculative/dflash.py DFlashWorker._draft_block_width)
+    assert "DFlashDecodingConfig(max_draft_len=3," in readme
 
 
 def test_readers_catch_broken_exports(exported, tmp_path):
@@ -498,7 +502,7 @@ def test_readers_catch_broken_exports(exported, tmp_path):
     def broken(edit_conf=None, edit_w=None):
         out = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
         shutil.copytree(d, out)
-        for eng in ("vllm", "sglang", "reference"):
+        for eng in ("vllm", "sglang", "reference", "trtllm"):
             p = out / "draft" / eng
             conf = json.loads((p / "config.json").read_text())
             if edit_conf:
@@ -515,15 +519,40 @@ def test_readers_catch_broken_exports(exported, tmp_path):
     assert all(r.status == "mismatch" for r in rows.values()), rows
     # vLLM takes eagle_aux_hidden_state_layer_ids as is (no +1): written in z-lab numbering it is wrong for vLLM
     rows = broken(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2]))
-    assert rows["vllm"].status == "mismatch" and rows["sglang"].status == rows["reference"].status == "ok"
-    rows = broken(lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=64))  # causal in vLLM
     assert rows["vllm"].status == "mismatch"
+    assert rows["sglang"].status == rows["reference"].status == rows["trtllm"].status == "ok"
+    rows = broken(lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=64))  # causal in vLLM
+    assert rows["vllm"].status == "mismatch" and rows["trtllm"].status == "mismatch"
+    # TensorRT-LLM fills target_layer_ids only from dflash_config (llm_args.py validate_speculative_config): a
+    # top-level key (SGLang's fallback) leaves it capturing nothing
+    rows = broken(lambda c: c.update(target_layer_ids=c["dflash_config"].pop("target_layer_ids")))
+    assert rows["trtllm"].status == "mismatch" and "no target_layer_ids" in rows["trtllm"].detail
+    assert rows["sglang"].status == "ok"
     rows = broken(lambda c: c["dflash_config"].update(mask_token_id=8))
     assert all(r.status == "mismatch" for r in rows.values())
     rows = broken(edit_w=lambda w: w.pop("layers.1.self_attn.k_norm.weight"))
     assert all(r.status == "mismatch" and "k_norm" in r.detail for r in rows.values())
     rows = broken(edit_w=lambda w: w.update(mask_hidden=torch.zeros(1, 1, 128)))
     assert rows["vllm"].status == "mismatch" and "mask_hidden" in rows["vllm"].detail
+
+
+def test_trtllm_block_width_is_max_draft_len_plus_one(exported):
+    """TensorRT-LLM computes max_draft_len + 1 block slots (speculative/dflash.py DFlashWorker._draft_block_width) and
+    refuses a block wider than the checkpoint's block_size (_lazy_init_ctx_buffers); the block attends both ways,
+    so a narrower one changes every slot: the launch must pass max_draft_len = block_size - 1."""
+    from nemo_spec.export.engines import EngineMismatch, trtllm
+    from nemo_spec.export.engines._llama import base_forward
+
+    m, d = exported
+    ids = torch.tensor([[3, 9, 4, 11, 5, 2, 8, 6, 10]])
+    run = base_forward(d / "base", ids)
+    full = trtllm.draft_logits("dflash", d / "draft" / "trtllm", run, ids, {"max_draft_len": 3})
+    assert full.shape[1] == 4
+    assert torch.equal(full, trtllm.draft_logits("dflash", d / "draft" / "trtllm", run, ids, {}))
+    narrow = trtllm.draft_logits("dflash", d / "draft" / "trtllm", run, ids, {"max_draft_len": 2})
+    assert narrow.shape[1] == 3 and (narrow - full[:, :3]).abs().max() > 1e-3
+    with pytest.raises(EngineMismatch, match="at most the checkpoint's block_size 4"):
+        trtllm.draft_logits("dflash", d / "draft" / "trtllm", run, ids, {"max_draft_len": 4})
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""DFlash draft export in the z-lab format (``DFlashDraftModel``), which SGLang 0.5.23 and vLLM 0.33.0 read as is.
+"""DFlash draft export in the z-lab format (``DFlashDraftModel``), which SGLang 0.5.23, vLLM 0.33.0 and
+TensorRT-LLM (engines/dflash.py) read as is.
 
 Directory: ``config.json`` (a Qwen3 config plus ``block_size``, ``num_target_layers`` and
 ``dflash_config: {mask_token_id, target_layer_ids}``, as the z-lab / SpecForge checkpoints, e.g. SpecForge

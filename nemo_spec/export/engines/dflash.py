@@ -1,8 +1,16 @@
-"""DFlash conformance readers: what SGLang 0.5.23, vLLM 0.33.0 and the z-lab reference compute from an exported
-``DFlashDraftModel`` directory, in plain torch (no megatron, no nemo_spec model code).
+"""DFlash conformance readers: what SGLang 0.5.23, vLLM 0.33.0, TensorRT-LLM and the z-lab reference compute from
+an exported ``DFlashDraftModel`` directory, in plain torch (no megatron, no nemo_spec model code).
 
 Sources (line numbers of those files): the released wheels ``sglang==0.5.23`` and ``vllm==0.33.0``
-(``pip download --no-deps``), and z-lab/dflash at commit 44947fb ``dflash/model.py``.
+(``pip download --no-deps``), and z-lab/dflash at commit 44947fb ``dflash/model.py``. TensorRT-LLM (its wheel and
+repository are too large to fetch here) is read from stored public snapshots and cited by function:
+``tensorrt_llm/_torch/models/modeling_dflash.py`` @ 7c7504c08f1f (DFlashForCausalLM: __init__, load_weights,
+load_weights_from_target_model, precompute_context_kv, dflash_forward, _get_attention_mask_args; the math is the
+same @ 009d8fa431bd), ``_torch/speculative/dflash.py`` @ 00679c66c3e3 (DFlashSpecMetadata, DFlashWorker:
+_draft_block_width, _lazy_init_ctx_buffers, prepare_1st_drafter_inputs) and ``llmapi/llm_args.py`` @ 7c7504c08f1f
+(DFlashDecodingConfig; TorchLlmArgs.validate_speculative_config fills target_layer_ids / mask_token_id from the
+draft's dflash_config). It projects the context with each layer's k/v weights, k_norm and RoPE at the context
+positions (precompute_context_kv), which is the formula below; embeddings and LM head are always the target's.
 
 The scenario each reader evaluates: context = the base's hidden states at positions 0 .. s-2 of ``ids`` [b, s],
 block = [ids[:, s-1], MASK x (B - 1)] at positions s-1 .. s+B-2, one forward; the logits of every block slot
@@ -129,6 +137,23 @@ def _features(base: BaseRun, stream_ids: List[int], engine: str, s: int, post_no
     return torch.cat(feats, -1)[:, : s - 1]
 
 
+def _refuse_trtllm_variants(conf: Mapping[str, Any]) -> None:
+    """Config keys that make TensorRT-LLM's DFlash drafter another function than the one read here."""
+    dc = conf.get("dflash_config") or {}
+    types = conf.get("layer_types") or []
+    windowed = (any("sliding" in str(t) for t in types) or dc.get("use_swa")
+                or (conf.get("use_sliding_window") is not False and conf.get("sliding_window") is not None))
+    if windowed:  # modeling_dflash.py _get_attention_mask_args / dspark_layer_window_size (causal or windowed)
+        raise EngineMismatch("trtllm: sliding-window / use_swa DFlash layers (a causal or windowed block mask in "
+                             "DFlashForCausalLM) are not claimed")
+    dspark = [k for k in ("dspark_config", "projector_type", "shift_label", "use_confidence_head", "markov_rank")
+              if conf.get(k) or dc.get(k)]
+    if dspark:  # modeling_dflash.py declares_dspark_heads: _build_dflash_draft raises, DSpark is another config
+        raise EngineMismatch(f"trtllm: {dspark} declare DSpark heads, which the DFlash drafter refuses")
+    if conf.get("attention_bias"):
+        raise EngineMismatch("trtllm: attention_bias DFlash layers are not claimed")
+
+
 def _check_arch(conf: Mapping[str, Any], engine: str, where: str) -> None:
     arch = (conf.get("architectures") or [None])[0]
     if arch != ARCH:
@@ -137,7 +162,8 @@ def _check_arch(conf: Mapping[str, Any], engine: str, where: str) -> None:
 
 def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
                   launch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
-    """Block logits [b, B, V] ``engine`` ('sglang' | 'vllm' | 'reference') computes for the export."""
+    """Block logits [b, B, V] ``engine`` ('sglang' | 'vllm' | 'trtllm' | 'reference') computes for the export
+    (TensorRT-LLM: B = ``launch['max_draft_len']`` + 1, by default the checkpoint's block_size)."""
     draft_dir = Path(draft_dir)
     conf = read_config(draft_dir)
     dc = conf.get("dflash_config") or {}
@@ -189,6 +215,35 @@ def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor
         if "rope_theta" not in conf and "rope_parameters" not in conf:
             # set_default_rope_theta(config, default_theta=1000000), qwen3_dflash.py:311
             rope = dataclasses.replace(rope, theta=1e6)
+    elif engine == "trtllm":
+        # TensorRT-LLM's DFlashForCausalLM (tensorrt_llm/_torch/models/modeling_dflash.py @ 7c7504c08f1f) and
+        # DFlashWorker (_torch/speculative/dflash.py @ 00679c66c3e3), cited by function (trtllm.py's [D]/[W]):
+        # DFlashDraftModel is not registered, so __init__ falls back to the class named by model_type
+        if conf.get("model_type") != "qwen3":  # 'qwen3' -> Qwen3ForCausalLM (q/k norm attention)
+            raise EngineMismatch(f"trtllm: model_type {conf.get('model_type')!r} does not build the Qwen3 block "
+                                 f"drafter (DFlashForCausalLM.__init__ resolves the class from model_type)")
+        _refuse_trtllm_variants(conf)
+        # llm_args.py TorchLlmArgs.validate_speculative_config: the launch's target_layer_ids, else the draft's
+        # dflash_config.target_layer_ids; nothing else (no default): none -> no capture, a draft without context
+        tids = (launch or {}).get("target_layer_ids") or dc.get("target_layer_ids")
+        if not tids:
+            raise EngineMismatch("trtllm: no target_layer_ids (DFlashDecodingConfig or dflash_config): "
+                                 "DFlashSpecMetadata captures nothing and the draft runs without context")
+        for t in tids:
+            if not 0 <= int(t) < L:
+                raise EngineMismatch(f"trtllm: target_layer_id {t} is not a layer of the {L}-layer target")
+        # DFlashSpecMetadata.__post_init__ sorts the ids; the target layer's maybe_capture_hidden_states saves
+        # hidden_states + residual after its MLP, i.e. the OUTPUT of layer id = the input of layer id + 1
+        stream = [int(i) + 1 for i in sorted(set(int(t) for t in tids))]
+        post_last = False
+        trained = int(dc.get("block_size", conf.get("block_size", 16)))
+        k = int((launch or {}).get("max_draft_len", trained - 1))
+        if k <= 0 or k + 1 > trained:  # DFlashWorker._draft_block_width = max_draft_len + 1; larger raises
+            raise EngineMismatch(f"trtllm: max_draft_len {k}: the block is max_draft_len + 1 slots "
+                                 f"(DFlashWorker._draft_block_width), at most the checkpoint's block_size "
+                                 f"{trained} (_lazy_init_ctx_buffers raises beyond)")
+        block_size = k + 1
+        causal = False  # full_attention layers, no sliding window: _get_attention_mask_args gives no mask
     else:
         raise EngineMismatch(f"no DFlash reader for engine {engine!r}")
     w = _weights(draft_dir, conf, engine)
@@ -218,6 +273,10 @@ def launch_command(engine: str, base_dir: Path, draft_dir: Path, block_size: int
     if engine == "sglang":
         return (f"python -m sglang.launch_server --model-path {base_dir} \\\n  --speculative-algorithm DFLASH "
                 f"--speculative-draft-model-path {draft_dir} --speculative-num-draft-tokens {block_size}")
+    if engine == "trtllm":  # llm_args.py DFlashDecodingConfig; its block is max_draft_len + 1 slots
+        return ("from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import DFlashDecodingConfig\n"
+                f"spec = DFlashDecodingConfig(max_draft_len={block_size - 1}, speculative_model='{draft_dir}')\n"
+                f"llm = LLM(model='{base_dir}', speculative_config=spec)")
     return ("from dflash.model import DFlashDraftModel  # z-lab/dflash\n"
             f"draft = DFlashDraftModel.from_pretrained('{draft_dir}')\n"
             f"out = draft.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=None, temperature=0.0)")

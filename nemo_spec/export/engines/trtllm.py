@@ -24,7 +24,7 @@ layer has input_layernorm, hidden_norm and a 2h-input qkv ([S] L56, L97-107, L11
 written that way loads at [N] only with ``eagle_config: {"next_layer_regular": false}`` (what the exporter
 writes); fc exists only for more than one captured layer ([S] L164-168, L337-338; unchanged at [N]).
 EAGLE-1 and Medusa drafts of this layout are not claimed (TensorRT-LLM's EAGLE-1/Medusa paths use their own
-checkpoint conversion).
+checkpoint conversion). DFlash drafts (the z-lab format) are read by engines/dflash.py.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ NEW_COMMIT = "00679c66c3e38f6d2651ad0a5bef0f94d862e36c"
 SNAPSHOTS = (COMMIT[:12], NEW_COMMIT[:12])
 VERSION = (f"NVIDIA/TensorRT-LLM@{COMMIT[:12]} and @{NEW_COMMIT[:12]} (modeling_speculative.py; "
            f"eagle3/modeling_auto/llm_args unpinned)")
-FORMATS = ("eagle3",)
+FORMATS = ("eagle3", "dflash")
 NOT_SERVED = {
     "peagle": ("no P-EAGLE / parallel drafting: Eagle3DraftModel builds no "
                "mask_hidden and drafts one token per forward ([S] L143-252; [N] Eagle3DraftModel); no reader is "
@@ -228,14 +228,22 @@ def eagle3_logits(draft_dir: Path, base: BaseRun, ids: torch.Tensor, launch: Map
 def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
                  launch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
     """TensorRT-LLM's draft logits for an exported ``fmt`` draft."""
+    if fmt == "dflash":  # modeling_dflash.py / speculative/dflash.py (engines/dflash.py)
+        from nemo_spec.export.engines.dflash import dflash_logits
+
+        return dflash_logits("trtllm", draft_dir, base, ids, launch)
     if fmt != "eagle3":
-        raise Unsupported(f"trtllm: only EAGLE-3 drafts of this layout are claimed, not {fmt}")
+        raise Unsupported(f"trtllm: only EAGLE-3 and DFlash drafts are claimed, not {fmt}")
     return eagle3_logits(draft_dir, base, ids, launch or {})
 
 
 def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3,
                    capture: Optional[Sequence[int]] = None, **_: Any) -> str:
     """Python LLM-API snippet for this export."""
+    if fmt == "dflash":
+        from nemo_spec.export.engines.dflash import launch_command as dflash_launch
+
+        return dflash_launch("trtllm", base_dir, draft_dir, block_size=k)
     layers = "{" + ", ".join(str(i) for i in capture) + "}" if capture else "None"
     return ("from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import EagleDecodingConfig\n"
             f"spec = EagleDecodingConfig(max_draft_len={k}, speculative_model_dir='{draft_dir}',\n"
