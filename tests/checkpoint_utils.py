@@ -41,10 +41,12 @@ def megatron_lm_args(cfg: ModelConfig, tp: int, **overrides: Any) -> argparse.Na
         params_dtype=torch.float32, fp16=False, bf16=False, transformer_impl="local", ckpt_format="torch",
         use_dist_ckpt=False, tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None, vocab_file=None,
         hidden_dropout=0.1, attention_dropout=0.1, micro_batch_size=1, global_batch_size=8, lr=3e-4,
-        iteration=0, consumed_train_samples=0,
+        iteration=0, consumed_train_samples=0, use_legacy_models=False,
     )
     for k, v in overrides.items():
         setattr(ns, k, v)
+    if getattr(ns, "use_mcore_models", None) is False:  # a pre-mcore-default Megatron-LM: no --use-legacy-models yet
+        del ns.use_legacy_models
     return ns
 
 

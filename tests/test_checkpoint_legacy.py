@@ -146,8 +146,61 @@ def test_args_mapping():
                                 "args").activation == "gelu"
     scaled = args_to_model_config(megatron_lm_args(cfg, tp=1, use_rope_scaling=True, rope_scaling_factor=8.0), "a")
     assert scaled.rope_scaling["rope_type"] == "llama3" and scaled.rope_scaling["factor"] == 8.0
-    lin = args_to_model_config(megatron_lm_args(cfg, tp=1, rotary_seq_len_interpolation_factor=4), "a")
-    assert lin.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_rope_scaling_is_what_megatron_lm_built(caplog):
+    """Megatron-LM's megatron-core GPT builder passes rope_scaling=args.use_rope_scaling and nothing else of RoPE
+    scaling (gpt_builders.py:106-108 @ core_v0.16.1; pretrain_gpt.py:127-128 @ core_v0.10.0, :192-193 @ core_v0.13.0):
+    the model scales with GPTModel's default factor 8 whatever --rope-scaling-factor says, and never interpolates
+    positions. Only the legacy model takes --rotary-seq-len-interpolation-factor (megatron/legacy/model/
+    language_model.py:390-394). Both used to be read from the arguments: a model of other logits (found by a review
+    that trained with Megatron-LM's own code: logit errors 4.7e-3 and 5.7)."""
+    cfg = tiny_llama()
+    with caplog.at_level("WARNING"):
+        f4 = args_to_model_config(megatron_lm_args(cfg, tp=1, use_rope_scaling=True, rope_scaling_factor=4.0), "a")
+    assert f4.rope_scaling["rope_type"] == "llama3" and f4.rope_scaling["factor"] == 8.0
+    assert "--rope-scaling-factor=4.0 never reached the megatron-core model" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        interp = args_to_model_config(megatron_lm_args(cfg, tp=1, rotary_seq_len_interpolation_factor=4), "a")
+    assert interp.rope_scaling is None and "--rotary-seq-len-interpolation-factor=4 never reached" in caplog.text
+    legacy = megatron_lm_args(cfg, tp=1, rotary_seq_len_interpolation_factor=4, use_legacy_models=True)
+    assert args_to_model_config(legacy, "a").rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    legacy.use_rope_scaling = True  # the legacy model has no Llama-3.1 scaling
+    assert args_to_model_config(legacy, "a").rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    old = megatron_lm_args(cfg, tp=1, rotary_seq_len_interpolation_factor=2, use_mcore_models=False)
+    assert not hasattr(old, "use_legacy_models")  # before --use-legacy-models, legacy was the default
+    assert args_to_model_config(old, "a").rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    old.use_mcore_models = True
+    assert args_to_model_config(old, "a").rope_scaling is None
+
+
+@pytest.mark.parametrize("over, refused", [
+    ({"layernorm_zero_centered_gamma": True}, "zero-centred layer norm.*layernorm_zero_centered_gamma=True"),
+    ({"apply_layernorm_1p": True}, "zero-centred layer norm.*apply_layernorm_1p=True"),
+    ({"softmax_type": "off-by-one"}, "attention softmax 'off-by-one'"),
+    ({"no_rope_freq": 2}, "layers without RoPE.*no_rope_freq=2"),
+    ({"window_size": (4, 0)}, r"sliding-window attention.*window_size=\(4, 0\)"),
+    ({"window_attn_skip_freq": 2}, "sliding-window attention.*window_attn_skip_freq=2"),
+    ({"glu_linear_offset": 1.0, "bias_swiglu_fusion": False}, "offset on the gated MLP.*glu_linear_offset=1.0"),
+    ({"activation_func_clamp_value": 0.1, "bias_swiglu_fusion": False}, "clamped gated MLP"),
+    ({"attention_output_gate": True}, "gated attention output.*attention_output_gate=True"),
+    ({"qk_l2_norm": True, "transformer_impl": "transformer_engine"}, "L2-normalised queries and keys"),
+    ({"mtp_num_layers": 1}, "multi-token prediction layers.*mtp_num_layers=1"),
+    ({"activation_func_clamp_value": 0.1}, None),  # the fused bias-SwiGLU kernel (the default) ignores the clamp
+    ({"qk_l2_norm": True}, None),  # Megatron-LM's local spec ignores --qk-l2-norm
+])
+def test_megatron_lm_settings_that_change_the_function_are_refused(over, refused):
+    """Each of these loaded silently into another model (a review that trained tiny models with Megatron-LM
+    core_v0.16.1's own parse_args / gpt_builder / save_checkpoint measured logit errors of 1.6 to 9 for each); the
+    two cases Megatron-LM itself ignores (megatron/core/transformer/mlp.py bias_swiglu_impl takes no clamp;
+    gpt_builders.py builds get_gpt_layer_local_spec without qk_l2_norm) load and match."""
+    args = megatron_lm_args(tiny_llama(), tp=1, **{"bias_swiglu_fusion": True, **over})
+    if refused is None:
+        assert args_to_model_config(args, "args").to_dict() == tiny_llama().to_dict()
+    else:
+        with pytest.raises(CheckpointConfigError, match="args: unsupported architecture: (an? )?" + refused):
+            args_to_model_config(args, "args")
 
 
 def test_tp1_dir_roundtrip_and_config(llama_tp1_dir):

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nemo_spec import parallel
+from nemo_spec._mcore import function_changing_settings
 from nemo_spec.checkpoint import tp as tp_rules
 from nemo_spec.checkpoint.megatron import (
     CheckpointConfigError,
@@ -176,6 +177,42 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
     return default if v is None else v
 
 
+def legacy_model(args: Any) -> bool:
+    """Did Megatron-LM build its legacy (``megatron/legacy``) GPT rather than megatron-core's? ``--use-legacy-models``
+    since it became the opt-out; before that the default unless ``--use-mcore-models``."""
+    if hasattr(args, "use_legacy_models"):
+        return bool(args.use_legacy_models)
+    return not bool(getattr(args, "use_mcore_models", False))
+
+
+def _rope_scaling(args: Any, source: str) -> Optional[Dict[str, Any]]:
+    """RoPE scaling of the model Megatron-LM built, which is not always what its arguments say: its megatron-core GPT
+    builder passes ``rope_scaling=args.use_rope_scaling`` only (gpt_builders.py @ core_v0.16.1, pretrain_gpt.py since
+    core_v0.10), so the model scales Llama-3.1-style with megatron-core's default factor 8 whatever
+    ``--rope-scaling-factor`` says, and never interpolates positions (``--rotary-seq-len-interpolation-factor``
+    reaches only the legacy model, megatron/legacy/model/language_model.py, which has no Llama-3.1 scaling)."""
+    use_scaling = bool(getattr(args, "use_rope_scaling", False))
+    interp = _arg(args, "rotary_seq_len_interpolation_factor", None)
+    if legacy_model(args):
+        if use_scaling:
+            log.warning("%s: --use-rope-scaling is ignored by Megatron-LM's legacy GPT model; loading without it",
+                        source)
+        return {"rope_type": "linear", "factor": float(interp)} if interp else None
+    if interp:
+        log.warning("%s: --rotary-seq-len-interpolation-factor=%s never reached the megatron-core model (Megatron-LM's "
+                    "GPT builder does not pass it); loading without position interpolation, as it was trained",
+                    source, interp)
+    if not use_scaling:
+        return None
+    factor = float(_arg(args, "rope_scaling_factor", 8.0))
+    if factor != 8.0:
+        log.warning("%s: --rope-scaling-factor=%s never reached the megatron-core model (Megatron-LM's GPT builder "
+                    "passes only --use-rope-scaling, so GPTModel scaled by its default 8); loading with factor 8, as "
+                    "it was trained", source, factor)
+    return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
 def args_to_model_config(args: Any, source: str) -> ModelConfig:
     """Map Megatron-LM arguments (argparse.Namespace) to a ModelConfig; unsupported features raise naming the field."""
     if args is None:
@@ -195,8 +232,6 @@ def args_to_model_config(args: Any, source: str) -> ModelConfig:
         raise unsupported("squared-ReLU MLP", "squared_relu")
     if getattr(args, "apply_residual_connection_post_layernorm", False):
         raise unsupported("post-norm residuals", "apply_residual_connection_post_layernorm")
-    if getattr(args, "apply_layernorm_1p", False):
-        raise unsupported("zero-centred (1p) layer norm", "apply_layernorm_1p")
     if getattr(args, "qk_layernorm", False):
         raise unsupported("QK layer norm", "qk_layernorm")
     if getattr(args, "rotary_interleaved", False):
@@ -209,14 +244,15 @@ def args_to_model_config(args: Any, source: str) -> ModelConfig:
             "learned_absolute" if _arg(args, "add_position_embedding", True) else "none")
     if pos not in ("rope", "learned_absolute"):
         raise unsupported(f"position embedding {pos!r}", "position_embedding_type")
-    rope_scaling = None
-    if getattr(args, "use_rope_scaling", False):
-        rope_scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
-                        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    elif _arg(args, "rotary_seq_len_interpolation_factor", None):
-        rope_scaling = {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
+    rope_scaling = _rope_scaling(args, source)
     add_bias = bool(_arg(args, "add_bias_linear", True))
     swiglu = bool(_arg(args, "swiglu", False))
+    fused_glu = swiglu and bool(_arg(args, "bias_swiglu_fusion", True)) and not getattr(args, "use_te_activation_func",
+                                                                                        False)
+    local = _arg(args, "transformer_impl", "transformer_engine") == "local"
+    for fld, _, what in function_changing_settings(lambda f: getattr(args, f, None), swiglu, fused_glu,
+                                                   qk_l2_norm_applies=not local):
+        raise unsupported(what, fld)
     if swiglu:
         act = "swiglu"
     elif getattr(args, "openai_gelu", False) or (add_bias and bool(_arg(args, "bias_gelu_fusion", True))):

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from nemo_spec._mcore import function_changing_settings
 from nemo_spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -87,21 +88,15 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
             raise CheckpointConfigError(f"{source}: config.{fld} is missing or not an int")
     for fld, what in (("num_moe_experts", "mixture of experts"), ("qk_layernorm", "QK layer norm"),
                       ("multi_latent_attention", "multi-latent attention"),
-                      ("rotary_interleaved", "interleaved RoPE"), ("mtp_num_layers", "multi-token prediction"),
-                      ("apply_residual_connection_post_layernorm", "post-norm residuals"),
-                      ("layernorm_zero_centered_gamma", "zero-centred layer norm")):
+                      ("rotary_interleaved", "interleaved RoPE"),
+                      ("apply_residual_connection_post_layernorm", "post-norm residuals")):
         if c.get(fld):
             raise unsupported(what, fld)
-    # attention settings megatron applies that the project spec does not have (transformer_config.py @ megatron-core
-    # 0.15: softmax_scale :108, softmax_type :111, window_size :180 (MistralConfig7B's default [4096, 0]),
-    # window_attn_skip_freq :184, no_rope_freq :205): loading without them gave another model's logits
-    for fld, what in (("window_size", "sliding-window attention"), ("window_attn_skip_freq", "sliding-window attention"),
-                      ("softmax_scale", "a custom attention softmax scale"),
-                      ("no_rope_freq", "layers without RoPE"), ("is_hybrid_model", "a hybrid (Mamba) model")):
-        if c.get(fld) not in (None, False, 0, [], ()):
-            raise unsupported(what, fld)
-    if c.get("softmax_type", "vanilla") not in (None, "vanilla"):
-        raise unsupported(f"attention softmax {c.get('softmax_type')!r}", "softmax_type")
+    # settings megatron applies that the project spec does not have (e.g. MistralConfig7B's window_size [4096, 0]):
+    # loading without them gave another model's logits
+    gated = bool(c.get("gated_linear_unit", False))
+    for fld, _, what in function_changing_settings(c.get, gated, gated and bool(c.get("bias_activation_fusion"))):
+        raise unsupported(what, fld)
     if float(c.get("rotary_percent", 1.0) or 1.0) != 1.0:
         raise unsupported("partial RoPE", "rotary_percent")
     pos = c.get("position_embedding_type", "rope")
@@ -111,7 +106,6 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
     if norm not in ("LayerNorm", "RMSNorm"):
         raise unsupported(f"normalization {norm!r}", "normalization")
     act_name = _target(c.get("activation_func")).rsplit(".", 1)[-1]
-    gated = bool(c.get("gated_linear_unit", False))
     if gated:
         if act_name != "silu":
             raise unsupported(f"gated MLP with {act_name}", "activation_func")

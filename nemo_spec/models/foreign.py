@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from nemo_spec._mcore import function_changing_settings
 from nemo_spec.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,11 @@ def conversion_problems(gpt: torch.nn.Module) -> List[str]:
             problems.append(f"{name}={v}")
     if getattr(c, "num_moe_experts", None):
         problems.append(f"num_moe_experts={c.num_moe_experts}")
-    if getattr(c, "window_size", None) is not None:
-        problems.append(f"window_size={c.window_size} (sliding-window attention)")
+    gated = bool(c.gated_linear_unit)
+    problems += [f"{fld}={v} ({what})" for fld, v, what in
+                 function_changing_settings(lambda f: getattr(c, f, None), gated,
+                                            gated and bool(getattr(c, "bias_activation_fusion", False)))
+                 if fld != "mtp_num_layers"]  # the MTP layers themselves are checked below
     pos = getattr(gpt, "position_embedding_type", "rope")
     if pos not in ("rope", "learned_absolute"):
         problems.append(f"position_embedding_type={pos!r}")
@@ -191,10 +195,6 @@ def conversion_problems(gpt: torch.nn.Module) -> List[str]:
     interp = _interpolation(gpt)
     if interp and getattr(c, "scale_factor", None) and getattr(c, "old_context_len", None):
         problems.append(f"seq_len_interpolation_factor={interp} together with Llama-3.1 RoPE scaling")
-    if getattr(c, "no_rope_freq", None):
-        problems.append(f"no_rope_freq={c.no_rope_freq} (layers without RoPE)")
-    if getattr(c, "softmax_scale", None) is not None:
-        problems.append(f"softmax_scale={c.softmax_scale}")
     act = c.activation_func
     if c.gated_linear_unit and act is not F.silu:
         problems.append(f"gated_linear_unit with activation_func={getattr(act, '__name__', act)} (only SwiGLU)")

@@ -391,10 +391,14 @@ def test_one_transform_object_serves_two_llm_train_runs(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("window_size", [8, 0]), ("softmax_scale", 0.5), ("no_rope_freq", [0, 1]),
-                                         ("softmax_type", "off-by-one")])
+                                         ("softmax_type", "off-by-one"), ("attention_output_gate", True),
+                                         ("glu_linear_offset", 1.0), ("qk_l2_norm", True),
+                                         ("layernorm_zero_centered_gamma", True)])
 def test_nemo_checkpoint_attention_settings_the_spec_lacks_are_refused(first_run, tmp_path, field, value):
     """model.yaml settings megatron applies but the project spec does not have (MistralConfig7B's window_size, a
-    softmax scale, layers without RoPE, another softmax) loaded as a different model without a word."""
+    softmax scale, layers without RoPE, another softmax, a gated attention output, an offset GLU, L2 q/k norms (NeMo
+    builds the Transformer-Engine spec, which applies them), zero-centred norms) loaded as a different model without
+    a word."""
     import shutil
 
     import yaml
