@@ -145,6 +145,23 @@ def test_smollm_pre_tokenizer_splits_digits():
             G.build_tokenizer({**meta, "tokenizer.ggml.model": kind})
 
 
+
+def test_unknown_pre_tokenizer_is_refused_and_llama3_ignores_merges():
+    """An unknown tokenizer.ggml.pre used to be split like GPT-2 with a warning: llama.cpp-converted deepseek-coder /
+    falcon / qwen35 files got other token ids (a review against the original tokenizers). Llama-3's pre-type looks a
+    whole pre-token up before merging (llama.cpp src/llama-vocab.cpp:2184 ignore_merges, used :633-634; Meta's
+    tokenizer.json sets ignore_merges): "Cửa Việt" tokenized differently without it."""
+    tokens = ["a", "b", "c", "ab", "abc"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.token_type": [1] * len(tokens)}
+    assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "llama-bpe"}).encode("abc").tokens == ["abc"]
+    assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "qwen2"}).encode("abc").tokens == ["ab", "c"]
+    assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "mpt"}).encode("abc").tokens == ["ab", "c"]  # GPT-2 split
+    for pre in ("deepseek-coder", "falcon", "qwen35", "no-such-pre"):
+        with pytest.raises(G.GGUFError, match=rf"tokenizer.ggml.pre={pre!r} .*is not one nemo_spec rebuilds; pass a "
+                                              r"Hugging Face tokenizer directory"):
+            G.build_tokenizer({**meta, "tokenizer.ggml.pre": pre})
+
 # --------------------------------------------------------------------------------------------------------------
 # SentencePiece (tokenizer.ggml.model == "llama": Llama-2, Mistral, TinyLlama)
 # --------------------------------------------------------------------------------------------------------------

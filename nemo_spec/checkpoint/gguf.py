@@ -377,14 +377,27 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-#: ``tokenizer.ggml.pre`` -> (split regexes applied in order, as llama.cpp's ``llama-vocab.cpp`` does)
+_DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_SPLIT)
+
+
+def _group(names: str, value: Any) -> Dict[str, Any]:
+    return {n: value for n in names.split()}
+
+
+#: ``tokenizer.ggml.pre`` -> split regexes applied in order, as llama.cpp splits them (src/llama-vocab.cpp @
+#: ggml-org/llama.cpp 0c1e57098: the pre-type names :2168-2310, their regexes in llm_tokenizer_bpe :284-390). A name
+#: not listed is refused: splitting it like GPT-2 gave deepseek-coder / falcon / qwen35 files other token ids.
 PRE_TOKENIZER_SPLITS: Dict[str, Tuple[str, ...]] = {
-    "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "gpt-2": (_GPT2_SPLIT,),
-    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, then GPT-2's split (SmolLM's tokenizer.json)
-    "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
-    "smaug-bpe": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "qwen2": (_QWEN2_SPLIT,),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    **_group("default gpt2 gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt "
+             "olmo jais trillion granite-docling", (_GPT2_SPLIT,)),  # LLAMA_VOCAB_PRE_TYPE_GPT2 and :372-378
+    **_group("smollm starcoder refact command-r codeshell exaone minerva-7b mellum2", _DIGITS_THEN_GPT2),  # :362-370
+    **_group("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano smaug-bpe dbrx",
+             (_LLAMA3_SPLIT,)),  # LLAMA3 :2174-2185, DBRX / SMAUG :2276-2281 (the same regex, :284-306)
+    **_group("qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 hunyuan solar-open", (_QWEN2_SPLIT,)),  # :383-390
 }
+#: pre-types whose BPE looks a whole pre-token up in the vocabulary before merging (llama-vocab.cpp :2184
+#: ``ignore_merges = true`` for LLAMA3, used at :633-634; Meta's Llama-3 tokenizer.json sets ``ignore_merges``)
+IGNORE_MERGES = frozenset("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano".split())
 
 
 def _tokenizer_metadata(reader: Any) -> Dict[str, Any]:
@@ -428,12 +441,13 @@ def _build_gpt2_tokenizer(meta: Mapping[str, Any], source: str) -> Any:
         if len(pair) != 2:
             raise GGUFError(f"{source}: tokenizer.ggml.merges entry {m!r} is not two space-separated tokens")
         merges.append((pair[0], pair[1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre") or "default"
     splits = PRE_TOKENIZER_SPLITS.get(pre)
     if splits is None:
-        log.warning("%s: tokenizer.ggml.pre=%r is not known; splitting text like GPT-2", source, pre)
-        splits = PRE_TOKENIZER_SPLITS["default"]
+        raise GGUFError(f"{source}: tokenizer.ggml.pre={pre!r} (how llama.cpp splits text before BPE) is not one nemo_spec "
+                        f"rebuilds; {TOKENIZER_HINT}")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
