@@ -14,8 +14,8 @@ import torch
 from nemo_spec.checkpoint import detect_format, find_tokenizer_dir, load_model, read_checkpoint_config
 from nemo_spec.checkpoint import gguf as G
 from nemo_spec.models import gpt_forward
-from tests.gguf_utils import (CHATML, LLAMA2_CHAT, SPM_USER, TEXT, spm_vocab_size, tiny_hf_model, train_bpe,
-                               write_gguf)
+from tests.gguf_utils import (CHATML, LLAMA2_CHAT, SPM_CONTROLS, SPM_EXTRA, SPM_USER, TEXT, spm_vocab_size, tiny_hf_model,
+                               train_bpe, write_gguf)
 from tests.helpers import ROOT, run_torchrun, script_env
 
 pytest.importorskip("gguf")
@@ -193,21 +193,32 @@ def _backend_json(tok) -> dict:
     return json.loads(tok.to_str())
 
 
-def _check_spm_against_transformers(path: Path, out: Path) -> None:
+def _llama_cpp_prefix_differs(text: str) -> bool:
+    """Texts transformers 5.x's GGUF tokenizer splits otherwise than llama.cpp: leading spaces, and text after a
+    special / user-defined token (test_sentencepiece_tokenizes_as_llama_cpp_and_sentencepiece)."""
+    return text.startswith(" ") or any(t in text for t in ("<s>", "</s>", "<unk>", "<pad>", SPM_USER, *SPM_CONTROLS))
+
+
+def _check_spm_against_transformers(path: Path, out: Path, space_prefix: bool = True) -> None:
+    """Vocabulary, merges, added tokens, special tokens and flags as transformers reads them from the file; the same
+    ids wherever transformers 5.x does not drop llama.cpp's space prefix (it always adds one: with
+    add_space_prefix false no text compares)."""
     from nemo_spec.data.chat import load_tokenizer
 
     hf_tok = _hf_tok(path)
     raw = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path)), str(path))
-    assert _backend_json(raw) == _backend_json(hf_tok.backend_tokenizer)  # model, merges, added tokens, pipeline
+    ours, theirs = _backend_json(raw), _backend_json(hf_tok.backend_tokenizer)
+    assert ours["model"] == theirs["model"] and ours["added_tokens"] == theirs["added_tokens"]
     tok = load_tokenizer(G.write_tokenizer_dir(path, out))
     for text in SPM_TEXTS:
         ids = tok(text)["input_ids"]
-        assert ids == hf_tok(text)["input_ids"], text
         assert ids == raw.encode(text).ids, text
-        for skip in (False, True):
-            assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip), text
-    pair = tok("first", "second")["input_ids"]
-    assert pair == hf_tok("first", "second")["input_ids"]
+        if space_prefix and not _llama_cpp_prefix_differs(text):
+            assert ids == hf_tok(text)["input_ids"], text
+            for skip in (False, True):
+                assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip), text
+    if space_prefix:
+        assert tok("first", "second")["input_ids"] == hf_tok("first", "second")["input_ids"]
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert getattr(tok, name) == getattr(hf_tok, name), name
     import json
@@ -215,6 +226,81 @@ def _check_spm_against_transformers(path: Path, out: Path) -> None:
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert (config["add_bos_token"], config["add_eos_token"]) == (hf_tok.add_bos_token, hf_tok.add_eos_token)
     assert {int(i) for i in config["added_tokens_decoder"]} == set(hf_tok.added_tokens_decoder)
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    """A real SentencePiece BPE model trained with the sentencepiece library as Llama-2's was set up (byte fallback,
+    identity normalisation, extra whitespace kept, digits split, dummy prefix) and its GGUF vocabulary metadata as
+    llama.cpp's converter writes it (conversion/base.py:2081-2148 @ llama.cpp 0c1e57098: every piece with its score;
+    UNKNOWN / CONTROL / UNUSED / BYTE from the processor's Is* tests, else NORMAL; added tokens USER_DEFINED)."""
+    spm = pytest.importorskip("sentencepiece")
+    d = tmp_path_factory.mktemp("sp")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join([TEXT, SPM_EXTRA, "hello world  two  spaces", "ÿ Ω ñandú"] * 4), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "sp"), model_type="bpe", vocab_size=400,
+                                   byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_digits=True, add_dummy_prefix=True,
+                                   control_symbols=list(SPM_CONTROLS), unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(d / "sp.model"))
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
+                     else 6 if sp.is_byte(i) else 1)
+    tokens.append(SPM_USER)  # from added_tokens.json: USER_DEFINED, score -1000
+    scores.append(-1000.0)
+    types.append(4)
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False}
+    return sp, meta
+
+
+def _llama_cpp_ids(sp, text: str, cut: dict) -> list:
+    """llama.cpp's SPM tokenize (src/llama-vocab.cpp:3433-3468 @ 0c1e57098) with the sentencepiece library as the BPE:
+    BOS, then special / user-defined tokens cut out of the text; each other fragment, " "-prefixed when it starts the
+    text or follows a cut token (add_space_prefix), is what SentencePiece encodes (its dummy prefix is that space)."""
+    import re
+
+    ids = [1]
+    for frag in re.split("(" + "|".join(re.escape(t) for t in cut) + ")", text):
+        if frag in cut:
+            ids.append(cut[frag])
+        elif frag:
+            ids += sp.encode(frag)
+    return ids
+
+
+def test_sentencepiece_tokenizes_as_llama_cpp_and_sentencepiece(sp_model):
+    """The GGUF SentencePiece vocabulary tokenizes as llama.cpp does, i.e. as the SentencePiece library (the model's
+    original tokenizer) does per fragment. transformers 5.x's GGUF tokenizer (Metaspace prepend_scheme "first") drops
+    a U+2581 on text starting with spaces and after every special token -- every Llama-2 / Mistral chat prompt got
+    other ids than llama.cpp and the original tokenizer (a review against llama.cpp's own converter: Llama-2's
+    " Hello world" is [29871, 15043, 3186] in llama.cpp's models/ggml-vocab-llama-spm.gguf.out, i.e. a lone U+2581)."""
+    from nemo_spec.data.chat import load_tokenizer
+
+    sp, meta = sp_model
+    raw = G.build_tokenizer(meta)
+    # the tokens llama.cpp cuts out of the text: CONTROL, USER_DEFINED and UNKNOWN ones (llama-vocab.cpp:3035-3039)
+    cut = {t: i for i, (t, ty) in enumerate(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]))
+           if ty in (2, 3, 4)}
+    assert set(cut) == {"<unk>", "<s>", "</s>", *SPM_CONTROLS, SPM_USER}
+    texts = SPM_TEXTS + ("  two  spaces ", "ÿ Ω ñandú 12345", "<s>[INST] hello [/INST]  ok</s>")
+    for text in texts:
+        assert raw.encode(text).ids == _llama_cpp_ids(sp, text, cut), text
+        if not any(t in text for t in cut):
+            assert raw.encode(text).ids == [1] + sp.encode(text), text  # the library itself
+    assert raw.encode(" Hello").tokens[1] == "\u2581"  # the prefix space plus the text's own: a lone U+2581 first
+    assert raw.encode("[INST] hi").ids[2:] == sp.encode(" hi")  # after a special token: "  hi", as at the start
+    for text in ("  two  spaces ", " Hello", "héllo wörld", "emoji 😀 done"):  # decode gives the text back
+        assert raw.decode(raw.encode(text).ids, skip_special_tokens=True) == text, text
+    no_prefix = G.build_tokenizer({**meta, "tokenizer.ggml.add_space_prefix": False})  # llama.cpp :2457, :3452
+    assert no_prefix.encode("hello").tokens[1] != raw.encode("hello").tokens[1]
+    assert no_prefix.decode(no_prefix.encode(" hello").ids, skip_special_tokens=True) == " hello"
 
 
 def test_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(spm, tmp_path):
@@ -230,8 +316,9 @@ def test_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(spm, tmp_pat
     assert pieces[1].startswith("\u2581")  # the dummy prefix: first word marked with U+2581
     for text in ("def fibonacci(n):\n    return n", "héllo wörld naïve café", "emoji 😀🚀 done", "a  b\t\n"):
         assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text  # lossless round trip
-    # text that starts with spaces gets no extra U+2581 and the decoder strips one: transformers 5.x loses a space
-    assert tok.decode(tok("  two")["input_ids"], skip_special_tokens=True) == " two"
+    # text that starts with spaces keeps them (llama.cpp's prefix space is the one the decoder strips; transformers
+    # 5.x's GGUF tokenizer adds none and loses one)
+    assert tok.decode(tok("  two")["input_ids"], skip_special_tokens=True) == "  two"
     assert tok("[INST] hi [/INST]")["input_ids"][1] == G.build_tokenizer(
         G._tokenizer_metadata(G.open_gguf(path))).token_to_id("[INST]")  # a control token stays whole
     assert SPM_USER in tok.convert_ids_to_tokens(tok("x <think>y")["input_ids"])  # user-defined, whole
@@ -239,20 +326,27 @@ def test_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(spm, tmp_pat
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
                                    tokenize=False)
     assert chat == "<s>[INST] hi [/INST] ok</s>"
-    assert tok(chat, add_special_tokens=False)["input_ids"] == _hf_tok(path)(chat, add_special_tokens=False)[
-        "input_ids"]
+    ids = tok(chat, add_special_tokens=False)["input_ids"]  # each fragment after a special token space-prefixed
+    assert ids == G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path))).encode(chat, add_special_tokens=False).ids
+    assert tok.convert_ids_to_tokens(ids)[2] == "\u2581" and ids != _hf_tok(path)(chat, add_special_tokens=False)[
+        "input_ids"]  # " hi" after [INST] is "  hi" in llama.cpp; transformers 5.x tokenizes " hi"
 
 
 @pytest.mark.parametrize("flags", [dict(add_bos=False), dict(add_bos=None, add_space_prefix=False)])
-def test_sentencepiece_flags_follow_transformers(spm, tmp_path, flags):
+def test_sentencepiece_flags_follow_llama_cpp(spm, tmp_path, flags):
     """add_bos_token false; no add_bos flag at all (BOS is added, llama.cpp's default) and add_space_prefix false
-    (transformers 5.x still prefixes the first word)."""
+    (llama.cpp then puts no space in front, llama-vocab.cpp:3452-3455; transformers 5.x still prefixes the first
+    word)."""
     m, _ = spm
     path = tmp_path / "flags.gguf"
     write_gguf(path, m, tokenizer="llama", **flags)
-    _check_spm_against_transformers(path, tmp_path / "tok")
-    ids = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path))).encode("hi").ids
+    prefix = flags.get("add_space_prefix", True)
+    _check_spm_against_transformers(path, tmp_path / "tok", space_prefix=prefix)
+    raw = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path)))
+    ids = raw.encode("hi").ids
     assert (ids[0] == 1) == (flags["add_bos"] is None)
+    assert raw.encode("hello world").tokens[ids[0] == 1].startswith("\u2581") == prefix
+    assert raw.decode(raw.encode(" hello").ids, skip_special_tokens=True) == " hello"
 
 
 def test_sentencepiece_merges_given_in_the_file_are_used(spm):
@@ -294,8 +388,9 @@ def test_sentencepiece_gguf_loads_and_converts_end_to_end(spm, tmp_path, monkeyp
     assert p.returncode == 0, p.stderr[-3000:]
     assert find_tokenizer_dir(ckpt) == ckpt / "tokenizer"
     tok = load_tokenizer(ckpt / "tokenizer")
-    for text in SPM_TEXTS:
-        assert tok(text)["input_ids"] == hf_tok(text)["input_ids"], text
+    raw = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(path)))
+    for text in SPM_TEXTS:  # the saved tokenizer is the rebuilt one (as llama.cpp tokenizes)
+        assert tok(text)["input_ids"] == raw.encode(text).ids, text
     assert tok.chat_template == LLAMA2_CHAT
     assert torch.equal(_ours(load_model(ckpt), x), ours)
 

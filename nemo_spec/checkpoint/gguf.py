@@ -498,24 +498,23 @@ def _spm_flags(meta: Mapping[str, Any]) -> Tuple[bool, bool]:
 
 
 def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
-    """A ``tokenizers.Tokenizer`` for a GGUF ``llama``-model (SentencePiece BPE) vocabulary: the one transformers
-    builds from the same file (Llama-2, Mistral, TinyLlama ...)."""
-    # transformers 5.24.0 integrations/gguf/gguf_tokenizer_mapping.py:114-117 sentencepiece_tokenizer hands the
-    # file's tokens (ids = positions) and merges (the file's, else derived from the scores) to LlamaTokenizer,
-    # models/llama/tokenization_llama.py:105-133, which builds: BPE(fuse_unk=True, byte_fallback=True, no
-    # unk_token) -- pieces missing from the vocabulary fall back to the <0xNN> byte tokens; no normalizer;
-    # Metaspace("\u2581", prepend_scheme="first", split=False) (add_prefix_space is always True there:
-    # tokenizer.ggml.add_space_prefix is read into the dict, :60, but not passed on; legacy=False -> "first",
-    # tokenization_utils_base.py:3770-3777); decoder Replace("\u2581", " "), ByteFallback, Fuse, Strip(left=1).
-    # Then :192-220 add_gguf_special_tokens adds CONTROL (3) tokens as special and USER_DEFINED (4) ones as plain
-    # added tokens; the bos/eos/unk/pad tokens (:100-102) become special tokens of the TokenizersBackend; its
-    # post-processor is update_post_processor's (tokenization_utils_tokenizers.py:636-660).
-    # transformers 4.57.6 (integrations/ggml.py:384-502 GGUFLlamaConverter + convert_slow_tokenizer.py:1331-1374
-    # LlamaConverter, legacy) differs: normalizer Prepend("\u2581") (dropped when add_space_prefix is False) +
-    # Replace(" ", "\u2581") and no pre-tokenizer, so text after a special token and text with leading spaces
-    # get one more "\u2581" ("  hi" -> "\u2581\u2581\u2581hi", here "\u2581\u2581hi"); BPE unk_token=<unk>; its
-    # eos_token is the BOS token (ggml.py:404,443-444 swap); the merges' tie order (see sentencepiece_merges).
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    """A ``tokenizers.Tokenizer`` for a GGUF ``llama``-model (SentencePiece BPE) vocabulary that tokenizes as llama.cpp
+    and the model's original SentencePiece tokenizer do (Llama-2, Mistral, TinyLlama ...)."""
+    # llama.cpp src/llama-vocab.cpp @ 0c1e57098 (llama_vocab::impl::tokenize, LLAMA_VOCAB_TYPE_SPM, :3433-3468): the
+    # special and user-defined tokens are cut out of the text first (tokenizer_st_partition), and every remaining
+    # fragment that follows one of them -- or starts the text -- gets a " " in front when add_space_prefix (default
+    # true for SPM vocabularies, :2430-2435, then tokenizer.ggml.add_space_prefix, :2457), spaces become U+2581
+    # (llama_escape_whitespace) and the fragment is BPE-merged by piece score with byte fallback. That is the
+    # SentencePiece library's add_dummy_prefix per fragment, and the normalizer Prepend(U+2581) + Replace(" ",
+    # U+2581) of the original Llama-2 / Mistral tokenizer.json (and of transformers 4.57's GGUF loader). transformers
+    # 5.x's GGUF loader (integrations/gguf/gguf_tokenizer_mapping.py -> LlamaTokenizer, Metaspace prepend_scheme
+    # "first") drops one U+2581 on text that starts with spaces and on every fragment after a special token, so
+    # Llama-2 / Mistral chat prompts got other ids than the model was trained on (a review against llama.cpp's own
+    # converter and the original tokenizers). Decoding drops the one leading space the prefix added (:3806,
+    # remove_space = add_space_prefix).
+    # The merges: the file's, else derived from the scores (sentencepiece_merges); bos/eos/unk/pad and CONTROL (3)
+    # tokens become special tokens, USER_DEFINED (4) ones plain added tokens (both cut out before normalisation).
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
     arch = meta.get("general.architecture")
     if arch in _SPM_OTHER_BUILDERS:
@@ -540,14 +539,13 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
                             f"with one score per token ({len(tokens)}), got "
                             f"{'none' if scores is None else len(scores)}")
         merges = sentencepiece_merges(tokens, [float(x) for x in scores])
-    if meta.get("tokenizer.ggml.add_space_prefix") is False:
-        log.warning("%s: tokenizer.ggml.add_space_prefix is false; like transformers, the rebuilt tokenizer still "
-                    "prefixes the first word with '\u2581' (llama.cpp would not)", source)
+    prefix = meta.get("tokenizer.ggml.add_space_prefix") is not False
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    replace = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix else replace
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     types = list(meta.get("tokenizer.ggml.token_type") or [])
 
     def token(key: str) -> Optional[str]:
