@@ -442,6 +442,10 @@ def test_clear_errors(llama, tmp_path):
         load_model(tq)
     with pytest.raises(G.GGUFError, match="tensor 'blk.0.attn_zzz.weight' is not a known llama.cpp tensor"):
         G.hf_name("blk.0.attn_zzz.weight")
+    for moe in ("blk.0.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight", "blk.0.ffn_gate_inp.weight"):
+        # llama.cpp writes Mixtral as architecture 'llama' with expert tensors
+        with pytest.raises(G.GGUFError, match=f"tensor '{moe}' belongs to a mixture-of-experts model"):
+            G.hf_name(moe)
 
 
 def _smollm2_file() -> Path | None:

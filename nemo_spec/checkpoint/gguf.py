@@ -267,6 +267,10 @@ def hf_name(gguf_name: str, source: str = "GGUF file") -> Optional[str]:
             return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
         if any(parts[2].startswith(x) for x in _IGNORED):
             return None
+    if len(parts) > 2 and (parts[2].split(".")[0].endswith("_exps") or parts[2].startswith("ffn_gate_inp")):
+        # llama.cpp writes Mixtral as general.architecture=llama with expert tensors (ffn_*_exps, ffn_gate_inp)
+        raise GGUFError(f"{source}: tensor {gguf_name!r} belongs to a mixture-of-experts model; MoE GGUF files are not "
+                        f"supported (convert the Hugging Face checkpoint instead)")
     raise GGUFError(f"{source}: tensor {gguf_name!r} is not a known llama.cpp tensor of a Llama/Qwen2 model")
 
 
