@@ -281,3 +281,73 @@ def test_bad_expert_parallel_configs_name_the_problem(hf_dirs, monkeypatch):
         planned_dp_size(2, 2)
     assert planned_dp_size(1, 2) == 2
     assert parallel.ep_size() == 1 and parallel.tp_size() == 1
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    conf = json.loads((dst / "config.json").read_text())
+    edit(conf)
+    (dst / "config.json").write_text(json.dumps(conf))
+    return dst
+
+
+def _auto_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def test_config_json_is_read_as_transformers_reads_it(hf_dirs, tmp_path):
+    """Absent fields take transformers' class defaults (Mixtral: rms_norm_eps 1e-5, rope_theta 1e6; Mistral: a
+    4096-token window; Qwen2: max_window_layers 28), rope_scaling wins over rope_parameters as in transformers 5
+    (modeling_rope_utils.py convert_rope_params_to_dict), and both compare with AutoModelForCausalLM's logits. The
+    raw file with generic defaults had built other models (a review against transformers' own classes: logit errors
+    5.6e-3 for Mixtral's eps, 2.19 for its theta, 0.98 for a rope_scaling added to a v5 config)."""
+    x = _ids(25)
+
+    def drop(*keys):
+        return lambda c: [c.pop(k, None) for k in keys]
+
+    mixtral = hf_dirs["mixtral"][0]
+    for keys in (("rms_norm_eps",), ("rope_parameters", "rope_theta")):
+        d = _edited_copy(mixtral, tmp_path / "_".join(keys), drop(*keys))
+        got = gpt_forward(load_hf(d).eval(), x).logits
+        assert (got - _auto_logits(d, x)).abs().max() < 1e-4, keys
+    cfg = load_hf(tmp_path / "rms_norm_eps").nemo_spec_config
+    assert cfg.norm_eps == 1e-5 and load_hf(tmp_path / "rope_parameters_rope_theta").nemo_spec_config.rope_theta == 1e6
+    both = _edited_copy(hf_dirs["qwen3"][0], tmp_path / "both", lambda c: c.update(
+        rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    assert json.loads((both / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+    ours = load_hf(both).eval()
+    assert ours.nemo_spec_config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert (gpt_forward(ours, x).logits - _auto_logits(both, x)).abs().max() < 1e-4
+    yarn = _edited_copy(hf_dirs["qwen3"][0], tmp_path / "yarn", lambda c: c.update(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}))
+    with pytest.raises(HFCheckpointError, match="rope_type 'yarn', which is not supported"):  # was dropped silently
+        load_hf(yarn)
+    base = {k: v for k, v in BASE.items()}
+    mistral = hf_to_model_config({**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    assert mistral.sliding_window == transformers.MistralConfig().sliding_window == 4096
+    qwen2 = hf_to_model_config({**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                                "use_sliding_window": True, "sliding_window": 8})  # max_window_layers 28 >= 4 layers
+    assert qwen2.sliding_window is None and qwen2.window_layers() == []
+
+
+def test_configs_transformers_reads_otherwise_are_refused(hf_dirs, tmp_path):
+    """architectures and model_type disagreeing (transformers builds the model_type's class: a Mistral config named
+    Llama lost its window, logit error 3.37), a Mistral config with layer_types (transformers reads it as Ministral's
+    alternating windows: 3.10), and a tied config whose stored lm_head differs from the embedding (transformers 5
+    runs the stored head: 4.03) all loaded silently."""
+    base = dict(BASE)
+    with pytest.raises(HFCheckpointError, match="architectures says LlamaForCausalLM .* but model_type is 'mistral'"):
+        hf_to_model_config({**base, "architectures": ["LlamaForCausalLM"], "model_type": "mistral"})
+    with pytest.raises(HFCheckpointError, match="Mistral config with 'layer_types' is read by transformers as "
+                                                "Ministral"):
+        hf_to_model_config({**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                            "layer_types": ["sliding_attention", "full_attention"] * 2})
+    path = hf_dirs["qwen3_untied"][0]
+    tied = _edited_copy(path, tmp_path / "tied", lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(HFCheckpointError, match="tie_word_embeddings is true but the stored lm_head.weight differs"):
+        load_hf(tied)

@@ -84,12 +84,43 @@ def hf_model_type(hf: Mapping[str, Any], source: str = "config.json") -> str:
     return families.family_of_hf(hf, source).model_type
 
 
+def as_transformers_reads_it(hf_config: Mapping[str, Any], fam: Family, source: str) -> Dict[str, Any]:
+    """config.json as transformers' own config class for the family reads it: its defaults for absent fields
+    (Mixtral's rms_norm_eps 1e-5 and rope_theta 1e6, Mistral's sliding_window 4096, Qwen2's max_window_layers ...),
+    its precedence where two fields disagree (transformers 5 takes ``rope_scaling`` over ``rope_parameters``,
+    modeling_rope_utils.py convert_rope_params_to_dict) and the fields it derives (``layer_types``). Reading the raw
+    file with generic defaults built other models than transformers runs (a review against transformers' own
+    classes). A ``model_type`` other than the architecture's is refused: transformers builds the model_type's
+    class."""
+    mt = hf_config.get("model_type")
+    if mt is not None and mt != fam.model_type:
+        raise HFCheckpointError(f"{source}: architectures says {fam.architecture} (model_type {fam.model_type!r}) but "
+                                f"model_type is {mt!r}; transformers builds the {mt!r} model, so the two disagree on "
+                                f"what this checkpoint is")
+    if fam.model_type == "mistral" and "layer_types" in hf_config:
+        raise HFCheckpointError(f"{source}: a Mistral config with 'layer_types' is read by transformers as Ministral "
+                                f"(alternating sliding-window layers, models/auto/configuration_auto.py), which is not "
+                                f"supported")
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
+    try:
+        cfg = AutoConfig.for_model(fam.model_type, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers' own validation of the file
+        raise HFCheckpointError(f"{source}: transformers' {fam.model_type} config rejects this config.json "
+                                f"({type(e).__name__}: {e})") from e
+    out = cfg.to_dict()
+    out["architectures"] = hf_config.get("architectures") or [fam.architecture]
+    return out
+
+
 def hf_to_model_config(hf_config: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     """Translate an HF config.json dict into our ModelConfig through its family's declaration; a field of the
     wrong type or value (a string for a count, a rope_scaling without its factor, zero heads ...) is an
     HFCheckpointError naming ``source``."""
     try:
-        return families.family_of_hf(hf_config, source).from_hf(dict(hf_config), source)
+        fam = families.family_of_hf(hf_config, source)
+        return fam.from_hf(as_transformers_reads_it(hf_config, fam, source), source)
     except HFCheckpointError:
         raise
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
@@ -243,12 +274,19 @@ def load_hf_state_dict(path: PathLike, cfg: Optional[ModelConfig] = None) -> Dic
     source = str(p / "config.json")
     fam = families.family_of_hf(hf, source)
     mt = fam.model_type
-    cfg = cfg or fam.from_hf(hf, source)
+    cfg = cfg or hf_to_model_config(hf, source)
     files = weight_files(p)
     if all(f.suffix == ".safetensors" for f in files):  # cheap header-only check before reading any tensor
         check_hf_shapes(_read_weights(files, fam, shapes_only=True), cfg, mt, str(p))  # type: ignore[arg-type]
     sd = _read_weights(files, fam, shapes_only=False)
     check_hf_shapes({k: tuple(v.shape) for k, v in sd.items()}, cfg, mt, str(p))  # type: ignore[union-attr]
+    head = sd.get("lm_head.weight")
+    if cfg.tie_word_embeddings and head is not None:
+        emb = next((v for k, v in sd.items() if k.endswith(("embed_tokens.weight", "wte.weight"))), None)
+        if emb is not None and not torch.equal(head, emb):  # type: ignore[arg-type]
+            raise HFCheckpointError(f"{source}: tie_word_embeddings is true but the stored lm_head.weight differs from "
+                                    f"the embedding (transformers 5 runs the stored head, 4.x the embedding); set "
+                                    f"tie_word_embeddings to false if the head is the model's own")
     return sd  # type: ignore[return-value]
 
 
