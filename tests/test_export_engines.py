@@ -167,6 +167,25 @@ def test_bug3_sglang_aux_ids_are_zero_based(exports, tmp_path):
         1, 2, 3]
 
 
+def test_vllm_eagle3_reads_only_the_top_level_aux_ids(exports, tmp_path):
+    """vLLM runs EAGLE-3 on its V2 model runner by default (config/vllm.py:731-760, 3066-3075 @ 0.33.0), whose
+    eagle3_utils.py:113-124 reads the top-level eagle_aux_hidden_state_layer_ids only: a draft with its ids only in
+    eagle_config is captured at the model's default layers (the reader used to follow the V1 runner's fallback to
+    eagle_config, gone in vLLM 0.34.0)."""
+    model, exp = exports["eagle3_full_2layers"]
+    run = base_forward(exp / "base", IDS)
+    d = exp / "draft" / "vllm"
+    assert (vllm.draft_logits("eagle3", d, run, IDS) - _draft(model)).abs().max() < 1e-4
+    conf = json.loads((d / "config.json").read_text())
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == conf["eagle_aux_hidden_state_layer_ids"]
+    only_nested = _copy(d, tmp_path / "nested", conf_edit=lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    L = run.num_layers
+    assert vllm.aux_layer_ids(json.loads((only_nested / "config.json").read_text())) is None
+    assert sorted(set(conf["eagle_aux_hidden_state_layer_ids"])) != sorted({2, L // 2, L - 3})
+    with pytest.raises(EngineMismatch, match=r"aux ids \[2, 2, 1\] capture 2 distinct hidden states"):  # default
+        vllm.draft_logits("eagle3", only_nested, run, IDS)
+
+
 def test_bug4_vllm_full_vocab_has_no_d2t(exports, tmp_path):
     _, exp = exports["eagle3_full_2layers"]
     run = base_forward(exp / "base", IDS)

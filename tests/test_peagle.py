@@ -407,6 +407,8 @@ def test_export_model_writes_the_speculators_layout_for_vllm_only(exported_all):
     assert rows["vllm"].max_abs_diff < 1e-4 and "parallel drafting" in rows["sglang"].detail
     readme = (d / "README.md").read_text()
     assert '"parallel_drafting": true' in readme and "SGLang: not exported" in readme
+    # vLLM 0.34.0 removed P-EAGLE (transformers_utils/configs/speculators/algos.py:53-55 raises): the snippet pins 0.33
+    assert "pip install 'vllm==0.33.*'" in readme and "0.34.0 removed P-EAGLE" in readme
 
 
 def test_export_to_an_engine_without_p_eagle_says_so(exported_all, tmp_path):

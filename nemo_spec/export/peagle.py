@@ -169,4 +169,7 @@ def vllm_launch_command(base_dir: Any, draft_dir: Any, k: int = 4) -> str:
     vllm speculators/base.py:133-134)."""
     spec = json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k,
                        "parallel_drafting": True})
-    return f"vllm serve {base_dir} \\\n  --speculative-config '{spec}'"
+    return (f"# vLLM 0.33.x: 0.34.0 removed P-EAGLE (transformers_utils/configs/speculators/algos.py:53-55 raises;\n"
+            f"# parallel_drafting is kept for dflash/dspark only, config/speculative.py:1688-1693)\n"
+            f"pip install 'vllm==0.33.*'\n"
+            f"vllm serve {base_dir} \\\n  --speculative-config '{spec}'")

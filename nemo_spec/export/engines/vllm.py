@@ -38,11 +38,12 @@ def _eagle1_arch(arch: str) -> str:
 
 
 def aux_layer_ids(conf: Mapping) -> Optional[List[int]]:
-    """The aux ids vLLM reads: top-level ``eagle_aux_hidden_state_layer_ids`` first, then ``eagle_config``'s
-    (v1/worker/gpu_model_runner.py:5207-5225; v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:119-124)."""
+    """The aux ids vLLM captures for an EAGLE-3 draft: the top-level ``eagle_aux_hidden_state_layer_ids`` only.
+    EAGLE-3 runs on the V2 model runner by default (config/vllm.py:731-760, 3066-3075: only parallel drafting and a
+    few other features fall back to V1), whose v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:113-124
+    ``get_eagle3_aux_layers_from_config`` never reads ``eagle_config``'s ids (the V1 runner's fallback to them,
+    gpu_model_runner.py:5207-5225, is gone in vLLM 0.34.0); without the key it captures the model's default."""
     ids = conf.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return list(ids) if ids else None
 
 
