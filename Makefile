@@ -11,6 +11,9 @@ $(STAMP): setup.py requirements-cpu.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
+	# the SentencePiece library, a test reference only, kept off the venv's path: its wheel bundles a second libgomp,
+	# and transformers imports it whenever it is importable (tests/test_gguf.py runs it in a child process)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/sentencepiece-ref sentencepiece==0.2.3
 	touch $(STAMP)
 
 venv: $(STAMP)

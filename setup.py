@@ -22,7 +22,7 @@ setup(
     extras_require={
         "serve": ["fastapi", "uvicorn", "pydantic>=2", "httpx", "openai"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "openai", "matplotlib", "tensorboard", "fastapi", "uvicorn", "httpx", "gguf>=0.10",
-                "accelerate", "sentencepiece"],
+                "accelerate"],
         # NeMo 2.7.3's optimizer needs megatron-core 0.15.x; the tested set is tests/nemo/requirements.txt
         "nemo": ["nemo_toolkit[llm]>=2.7,<2.8", "megatron-core>=0.15,<0.16"],
         # GGUF import (llama.cpp files); accelerate only for transformers' own GGUF loading in the parity tests

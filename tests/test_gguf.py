@@ -228,50 +228,73 @@ def _check_spm_against_transformers(path: Path, out: Path, space_prefix: bool = 
     assert {int(i) for i in config["added_tokens_decoder"]} == set(hf_tok.added_tokens_decoder)
 
 
+#: the tokens llama.cpp cuts out of the text of the sp_model vocabulary: CONTROL, USER_DEFINED and UNKNOWN ones
+#: (llama-vocab.cpp:3035-3039 @ 0c1e57098)
+SP_CUT = ("<unk>", "<s>", "</s>", *SPM_CONTROLS, SPM_USER)
+SP_TEXTS = SPM_TEXTS + ("  two  spaces ", "ÿ Ω ñandú 12345", "<s>[INST] hello [/INST]  ok</s>")
+_SP_SCRIPT = r"""
+import json, sys
+import sentencepiece as spm
+args = json.loads(sys.stdin.read())
+spm.SentencePieceTrainer.train(input=args["corpus"], model_prefix=args["prefix"], model_type="bpe", vocab_size=400,
+                               byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+                               remove_extra_whitespaces=False, split_digits=True, add_dummy_prefix=True,
+                               control_symbols=args["controls"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                               hard_vocab_limit=False, minloglevel=2)
+sp = spm.SentencePieceProcessor(model_file=args["prefix"] + ".model")
+n = sp.get_piece_size()
+types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1
+         for i in range(n)]
+print(json.dumps({"tokens": [sp.id_to_piece(i) for i in range(n)], "scores": [sp.get_score(i) for i in range(n)],
+                  "types": types, "encode": {t: sp.encode(t) for t in args["texts"]}}))
+"""
+
+
+def _fragments(text: str) -> list:
+    import re
+
+    return [f for f in re.split("(" + "|".join(re.escape(t) for t in SP_CUT) + ")", text) if f]
+
+
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     """A real SentencePiece BPE model trained with the sentencepiece library as Llama-2's was set up (byte fallback,
-    identity normalisation, extra whitespace kept, digits split, dummy prefix) and its GGUF vocabulary metadata as
-    llama.cpp's converter writes it (conversion/base.py:2081-2148 @ llama.cpp 0c1e57098: every piece with its score;
-    UNKNOWN / CONTROL / UNUSED / BYTE from the processor's Is* tests, else NORMAL; added tokens USER_DEFINED)."""
-    spm = pytest.importorskip("sentencepiece")
+    identity normalisation, extra whitespace kept, digits split, dummy prefix), the library's own encoding of every
+    test text and fragment, and its GGUF vocabulary metadata as llama.cpp's converter writes it
+    (conversion/base.py:2081-2148 @ llama.cpp 0c1e57098: every piece with its score; UNKNOWN / CONTROL / UNUSED /
+    BYTE from the processor's Is* tests, else NORMAL; added tokens USER_DEFINED). The library runs in a child
+    process from its own directory: its wheel bundles a second libgomp, which switches the skinny-GEMM kernel off in a
+    process that loads it (and transformers imports it whenever it can)."""
+    import subprocess
+    import sys
+
     d = tmp_path_factory.mktemp("sp")
     corpus = d / "corpus.txt"
     corpus.write_text("\n".join([TEXT, SPM_EXTRA, "hello world  two  spaces", "ÿ Ω ñandú"] * 4), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "sp"), model_type="bpe", vocab_size=400,
-                                   byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, split_digits=True, add_dummy_prefix=True,
-                                   control_symbols=list(SPM_CONTROLS), unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                   hard_vocab_limit=False, minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_file=str(d / "sp.model"))
-    tokens, scores, types = [], [], []
-    for i in range(sp.get_piece_size()):
-        tokens.append(sp.id_to_piece(i))
-        scores.append(sp.get_score(i))
-        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
-                     else 6 if sp.is_byte(i) else 1)
-    tokens.append(SPM_USER)  # from added_tokens.json: USER_DEFINED, score -1000
-    scores.append(-1000.0)
-    types.append(4)
+    texts = sorted({*SP_TEXTS, " hi", *(f for t in SP_TEXTS for f in _fragments(t) if f not in SP_CUT)})
+    args = {"corpus": str(corpus), "prefix": str(d / "sp"), "controls": list(SPM_CONTROLS), "texts": texts}
+    ref = Path(sys.prefix) / "sentencepiece-ref"  # make venv installs the library there, off this process's path
+    if not (ref / "sentencepiece").is_dir():
+        pytest.skip(f"the SentencePiece reference is not installed at {ref} (make venv installs it)")
+    p = subprocess.run([sys.executable, "-c", _SP_SCRIPT], input=json.dumps(args), capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ref)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    tokens, scores, types = out["tokens"] + [SPM_USER], out["scores"] + [-1000.0], out["types"] + [4]  # added token
     meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
             "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
             "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False}
-    return sp, meta
+    return out["encode"], meta
 
 
-def _llama_cpp_ids(sp, text: str, cut: dict) -> list:
+def _llama_cpp_ids(encode: dict, text: str, cut: dict) -> list:
     """llama.cpp's SPM tokenize (src/llama-vocab.cpp:3433-3468 @ 0c1e57098) with the sentencepiece library as the BPE:
     BOS, then special / user-defined tokens cut out of the text; each other fragment, " "-prefixed when it starts the
     text or follows a cut token (add_space_prefix), is what SentencePiece encodes (its dummy prefix is that space)."""
-    import re
-
     ids = [1]
-    for frag in re.split("(" + "|".join(re.escape(t) for t in cut) + ")", text):
-        if frag in cut:
-            ids.append(cut[frag])
-        elif frag:
-            ids += sp.encode(frag)
+    for frag in _fragments(text):
+        ids += [cut[frag]] if frag in cut else encode[frag]
     return ids
 
 
@@ -283,19 +306,17 @@ def test_sentencepiece_tokenizes_as_llama_cpp_and_sentencepiece(sp_model):
     " Hello world" is [29871, 15043, 3186] in llama.cpp's models/ggml-vocab-llama-spm.gguf.out, i.e. a lone U+2581)."""
     from nemo_spec.data.chat import load_tokenizer
 
-    sp, meta = sp_model
+    encode, meta = sp_model
     raw = G.build_tokenizer(meta)
-    # the tokens llama.cpp cuts out of the text: CONTROL, USER_DEFINED and UNKNOWN ones (llama-vocab.cpp:3035-3039)
     cut = {t: i for i, (t, ty) in enumerate(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]))
            if ty in (2, 3, 4)}
-    assert set(cut) == {"<unk>", "<s>", "</s>", *SPM_CONTROLS, SPM_USER}
-    texts = SPM_TEXTS + ("  two  spaces ", "ÿ Ω ñandú 12345", "<s>[INST] hello [/INST]  ok</s>")
-    for text in texts:
-        assert raw.encode(text).ids == _llama_cpp_ids(sp, text, cut), text
+    assert set(cut) == set(SP_CUT)
+    for text in SP_TEXTS:
+        assert raw.encode(text).ids == _llama_cpp_ids(encode, text, cut), text
         if not any(t in text for t in cut):
-            assert raw.encode(text).ids == [1] + sp.encode(text), text  # the library itself
+            assert raw.encode(text).ids == [1] + encode[text], text  # the library itself
     assert raw.encode(" Hello").tokens[1] == "\u2581"  # the prefix space plus the text's own: a lone U+2581 first
-    assert raw.encode("[INST] hi").ids[2:] == sp.encode(" hi")  # after a special token: "  hi", as at the start
+    assert raw.encode("[INST] hi").ids[2:] == encode[" hi"]  # after a special token: "  hi", as at the start
     for text in ("  two  spaces ", " Hello", "héllo wörld", "emoji 😀 done"):  # decode gives the text back
         assert raw.decode(raw.encode(text).ids, skip_special_tokens=True) == text, text
     no_prefix = G.build_tokenizer({**meta, "tokenizer.ggml.add_space_prefix": False})  # llama.cpp :2457, :3452
