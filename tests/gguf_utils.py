@@ -134,7 +134,7 @@ def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
 
 
 def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: Optional[Dict[str, str]] = None,
-               tokenizer: Union[bool, str] = True, pre: str = "default", seed: int = 0,
+               tokenizer: Union[bool, str] = True, pre: str = "gpt-2", seed: int = 0,
                metadata_arch: Optional[str] = None, add_space_prefix: Optional[bool] = None,
                add_bos: Optional[bool] = True) -> Dict[str, np.ndarray]:
     """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);

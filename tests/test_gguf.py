@@ -136,7 +136,7 @@ def test_smollm_pre_tokenizer_splits_digits():
     tokens, merges = train_bpe()
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.token_type": [1] * len(tokens)}
-    plain = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "default"})
+    plain = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "gpt-2"})
     smol = G.build_tokenizer({**meta, "tokenizer.ggml.pre": "smollm"})
     assert any(len(t.strip("Ġ")) > 1 and t.strip("Ġ").isdigit() for t in plain.encode("print(12345)").tokens)
     assert all(len(t) == 1 for t in smol.encode("12345").tokens)
@@ -157,7 +157,12 @@ def test_unknown_pre_tokenizer_is_refused_and_llama3_ignores_merges():
     assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "llama-bpe"}).encode("abc").tokens == ["abc"]
     assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "qwen2"}).encode("abc").tokens == ["ab", "c"]
     assert G.build_tokenizer({**meta, "tokenizer.ggml.pre": "mpt"}).encode("abc").tokens == ["ab", "c"]  # GPT-2 split
-    for pre in ("deepseek-coder", "falcon", "qwen35", "no-such-pre"):
+    # llama.cpp's DEFAULT pre-type (llama-vocab.cpp:561-568): punctuation runs split off first, then GPT-2's split
+    # inside the rest, then digit runs and three-digit groups: "don't" keeps no "'t" piece, 12345 -> 123 45
+    split = [p for p, _ in G.build_tokenizer({**meta, "tokenizer.ggml.pre": "default"}).pre_tokenizer.pre_tokenize_str(
+        "don't (x) = 12345")]
+    assert split == ["don", "'", "t", "Ġ", "(", "x", ")", "Ġ", "=", "Ġ", "123", "45"], split
+    for pre in ("deepseek-coder", "falcon", "qwen35", "gpt2", "no-such-pre"):
         with pytest.raises(G.GGUFError, match=rf"tokenizer.ggml.pre={pre!r} .*is not one nemo_spec rebuilds; pass a "
                                               r"Hugging Face tokenizer directory"):
             G.build_tokenizer({**meta, "tokenizer.ggml.pre": pre})

@@ -392,12 +392,15 @@ def _group(names: str, value: Any) -> Dict[str, Any]:
 #: ggml-org/llama.cpp 0c1e57098: the pre-type names :2168-2310, their regexes in llm_tokenizer_bpe :284-390). A name
 #: not listed is refused: splitting it like GPT-2 gave deepseek-coder / falcon / qwen35 files other token ids.
 PRE_TOKENIZER_SPLITS: Dict[str, Tuple[str, ...]] = {
-    **_group("default gpt2 gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt "
-             "olmo jais trillion granite-docling", (_GPT2_SPLIT,)),  # LLAMA_VOCAB_PRE_TYPE_GPT2 and :372-378
+    # llama.cpp's DEFAULT (also what a file without tokenizer.ggml.pre gets, with a warning, :2156-2167): punctuation
+    # runs, then GPT-2's split, then digit runs, then three-digit groups (llm_tokenizer_bpe default case, :561-568)
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    **_group("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt olmo jais "
+             "trillion granite-docling exaone4", (_GPT2_SPLIT,)),  # LLAMA_VOCAB_PRE_TYPE_GPT2 and :372-378
     **_group("smollm starcoder refact command-r codeshell exaone minerva-7b mellum2", _DIGITS_THEN_GPT2),  # :362-370
     **_group("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano smaug-bpe dbrx",
              (_LLAMA3_SPLIT,)),  # LLAMA3 :2174-2185, DBRX / SMAUG :2276-2281 (the same regex, :284-306)
-    **_group("qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 hunyuan solar-open", (_QWEN2_SPLIT,)),  # :383-390
+    **_group("qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 hunyuan solar-open megrez", (_QWEN2_SPLIT,)),  # :383-390
 }
 #: pre-types whose BPE looks a whole pre-token up in the vocabulary before merging (llama-vocab.cpp :2184
 #: ``ignore_merges = true`` for LLAMA3, used at :633-634; Meta's Llama-3 tokenizer.json sets ``ignore_merges``)
@@ -638,13 +641,18 @@ def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
     return out
 
 
+#: the rebuilt tokenizers' version in the cache key: bumped whenever build_tokenizer changes what it builds, so that
+#: tokenizers cached by an older nemo_spec are rebuilt (v2: llama.cpp's SentencePiece prefix, pre-type table)
+TOKENIZER_BUILD = "v2"
+
+
 def gguf_tokenizer_dir(path: PathLike, cache_dir: Optional[PathLike] = None) -> Path:
     """A Hugging Face tokenizer directory for a GGUF file, built once into the cache and reused."""
     from nemo_spec.base.build import resolve_cache_dir
 
     p = check_gguf_file(path).resolve()
     st = p.stat()
-    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|{TOKENIZER_BUILD}".encode()).hexdigest()[:16]
     out = resolve_cache_dir(cache_dir) / "gguf_tokenizers" / f"{p.stem}-{key}"
     if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out

@@ -84,14 +84,20 @@ def hf_model_type(hf: Mapping[str, Any], source: str = "config.json") -> str:
     return families.family_of_hf(hf, source).model_type
 
 
+#: config.json fields whose absence means transformers' class default for the family (which differs between families:
+#: Mixtral's rms_norm_eps 1e-5 and rope_theta 1e6, Mistral's 4096-token window, Qwen2's max_window_layers 28 ...)
+_DEFAULTED = ("rms_norm_eps", "layer_norm_epsilon", "sliding_window", "use_sliding_window", "max_window_layers",
+              "tie_word_embeddings", "hidden_act", "activation_function", "norm_topk_prob", "max_position_embeddings",
+              "initializer_range")
+
+
 def as_transformers_reads_it(hf_config: Mapping[str, Any], fam: Family, source: str) -> Dict[str, Any]:
-    """config.json as transformers' own config class for the family reads it: its defaults for absent fields
-    (Mixtral's rms_norm_eps 1e-5 and rope_theta 1e6, Mistral's sliding_window 4096, Qwen2's max_window_layers ...),
-    its precedence where two fields disagree (transformers 5 takes ``rope_scaling`` over ``rope_parameters``,
-    modeling_rope_utils.py convert_rope_params_to_dict) and the fields it derives (``layer_types``). Reading the raw
-    file with generic defaults built other models than transformers runs (a review against transformers' own
-    classes). A ``model_type`` other than the architecture's is refused: transformers builds the model_type's
-    class."""
+    """config.json with the fields it leaves out filled as transformers' own config class for the family fills them
+    (``_DEFAULTED`` and ``rope_theta``): reading the raw file with generic defaults built other models than
+    transformers runs (a review against transformers' own classes). The file's own fields always stand, so the
+    result is the same under transformers 4.57 and 5.x (``rope_scaling`` over ``rope_parameters`` is decided in
+    ``rope_from_hf``). A ``model_type`` other than the architecture's is refused (transformers builds the model_type's
+    class), and so is a Mistral config with ``layer_types`` (transformers reads it as Ministral)."""
     mt = hf_config.get("model_type")
     if mt is not None and mt != fam.model_type:
         raise HFCheckpointError(f"{source}: architectures says {fam.architecture} (model_type {fam.model_type!r}) but "
@@ -103,14 +109,14 @@ def as_transformers_reads_it(hf_config: Mapping[str, Any], fam: Family, source: 
                                 f"supported")
     from transformers import AutoConfig
 
-    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
-    try:
-        cfg = AutoConfig.for_model(fam.model_type, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers' own validation of the file
-        raise HFCheckpointError(f"{source}: transformers' {fam.model_type} config rejects this config.json "
-                                f"({type(e).__name__}: {e})") from e
-    out = cfg.to_dict()
-    out["architectures"] = hf_config.get("architectures") or [fam.architecture]
+    defaults = AutoConfig.for_model(fam.model_type).to_dict()
+    out = dict(hf_config)
+    out.update({k: defaults[k] for k in _DEFAULTED if k not in out and k in defaults})
+    params = out.get("rope_parameters") if isinstance(out.get("rope_parameters"), dict) else {}
+    if "rope_theta" not in out and "rope_theta" not in params:
+        theta = defaults.get("rope_theta") or (defaults.get("rope_parameters") or {}).get("rope_theta")
+        if theta is not None:
+            out["rope_theta"] = theta
     return out
 
 

@@ -56,19 +56,22 @@ def refuse(hf: Mapping[str, Any], source: str, allowed: Mapping[str, Callable[[A
 
 
 def rope_from_hf(hf: Mapping[str, Any], source: str) -> Tuple[float, Optional[Dict[str, Any]]]:
-    """(rope_theta, HF-style rope scaling dict or None) from either the v5 ``rope_parameters`` or legacy fields."""
+    """(rope_theta, HF-style rope scaling dict or None) from either the v5 ``rope_parameters`` or legacy fields.
+    A non-empty ``rope_scaling`` wins over ``rope_parameters``, as transformers 5 decides (modeling_rope_utils.py
+    convert_rope_params_to_dict: ``rope_scaling or rope_parameters``) and as 4.x, which reads only ``rope_scaling``."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         raise FamilyError(f"{source}: per-layer-type 'rope_parameters' {sorted(params)} are not supported")
     scaling: Dict[str, Any] = {}
     theta = hf.get("rope_theta")
     field = "rope_scaling"
-    if isinstance(params, dict) and params:
+    if isinstance(hf.get("rope_scaling"), dict) and hf["rope_scaling"]:
+        scaling = dict(hf["rope_scaling"])
+        theta = scaling.pop("rope_theta", theta if theta is not None else (params or {}).get("rope_theta"))
+    elif isinstance(params, dict) and params:
         field = "rope_parameters"
         scaling = dict(params)
         theta = scaling.pop("rope_theta", theta)
-    elif isinstance(hf.get("rope_scaling"), dict):
-        scaling = dict(hf["rope_scaling"])
     theta = 10000.0 if theta is None else float(theta)
     rtype = scaling.pop("rope_type", scaling.pop("type", "default"))
     if float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
