@@ -382,6 +382,8 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_SPLIT)
+#: llama.cpp's LLAMA3 pre-type names (llama-vocab.cpp:2174-2185)
+_LLAMA3_NAMES = "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano"
 
 
 def _group(names: str, value: Any) -> Dict[str, Any]:
@@ -398,13 +400,12 @@ PRE_TOKENIZER_SPLITS: Dict[str, Tuple[str, ...]] = {
     **_group("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt olmo jais "
              "trillion granite-docling exaone4", (_GPT2_SPLIT,)),  # LLAMA_VOCAB_PRE_TYPE_GPT2 and :372-378
     **_group("smollm starcoder refact command-r codeshell exaone minerva-7b mellum2", _DIGITS_THEN_GPT2),  # :362-370
-    **_group("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano smaug-bpe dbrx",
-             (_LLAMA3_SPLIT,)),  # LLAMA3 :2174-2185, DBRX / SMAUG :2276-2281 (the same regex, :284-306)
+    **_group(f"{_LLAMA3_NAMES} smaug-bpe dbrx", (_LLAMA3_SPLIT,)),  # DBRX / SMAUG :2276-2281: LLAMA3's regex, :284-306
     **_group("qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 hunyuan solar-open megrez", (_QWEN2_SPLIT,)),  # :383-390
 }
 #: pre-types whose BPE looks a whole pre-token up in the vocabulary before merging (llama-vocab.cpp :2184
 #: ``ignore_merges = true`` for LLAMA3, used at :633-634; Meta's Llama-3 tokenizer.json sets ``ignore_merges``)
-IGNORE_MERGES = frozenset("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano".split())
+IGNORE_MERGES = frozenset(_LLAMA3_NAMES.split())
 
 
 def _tokenizer_metadata(reader: Any) -> Dict[str, Any]:
@@ -451,8 +452,8 @@ def _build_gpt2_tokenizer(meta: Mapping[str, Any], source: str) -> Any:
     pre = meta.get("tokenizer.ggml.pre") or "default"
     splits = PRE_TOKENIZER_SPLITS.get(pre)
     if splits is None:
-        raise GGUFError(f"{source}: tokenizer.ggml.pre={pre!r} (how llama.cpp splits text before BPE) is not one nemo_spec "
-                        f"rebuilds; {TOKENIZER_HINT}")
+        raise GGUFError(f"{source}: tokenizer.ggml.pre={pre!r} (how llama.cpp splits text before BPE) is not one "
+                        f"nemo_spec rebuilds; {TOKENIZER_HINT}")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                                ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -287,9 +287,10 @@ def load_hf_state_dict(path: PathLike, cfg: Optional[ModelConfig] = None) -> Dic
     sd = _read_weights(files, fam, shapes_only=False)
     check_hf_shapes({k: tuple(v.shape) for k, v in sd.items()}, cfg, mt, str(p))  # type: ignore[union-attr]
     head = sd.get("lm_head.weight")
-    if cfg.tie_word_embeddings and head is not None:
-        emb = next((v for k, v in sd.items() if k.endswith(("embed_tokens.weight", "wte.weight"))), None)
-        if emb is not None and not torch.equal(head, emb):  # type: ignore[arg-type]
+    if cfg.tie_word_embeddings and head is not None:  # the family's name for the embedding (its weight rules)
+        emb = next(sd[n] for rule in fam.weights.model if rule.ours == "embedding.word_embeddings.weight"
+                   for n in rule.theirs)
+        if not torch.equal(head, emb):  # type: ignore[arg-type]
             raise HFCheckpointError(f"{source}: tie_word_embeddings is true but the stored lm_head.weight differs from "
                                     f"the embedding (transformers 5 runs the stored head, 4.x the embedding); set "
                                     f"tie_word_embeddings to false if the head is the model's own")

@@ -217,7 +217,7 @@ def dflash_logits(engine: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor
             rope = dataclasses.replace(rope, theta=1e6)
     elif engine == "trtllm":
         # TensorRT-LLM's DFlashForCausalLM (tensorrt_llm/_torch/models/modeling_dflash.py @ 7c7504c08f1f) and
-        # DFlashWorker (_torch/speculative/dflash.py @ 00679c66c3e3), cited by function (trtllm.py's [D]/[W]):
+        # DFlashWorker (_torch/speculative/dflash.py @ 00679c66c3e3), cited by function (see the module docstring):
         # DFlashDraftModel is not registered, so __init__ falls back to the class named by model_type
         if conf.get("model_type") != "qwen3":  # 'qwen3' -> Qwen3ForCausalLM (q/k norm attention)
             raise EngineMismatch(f"trtllm: model_type {conf.get('model_type')!r} does not build the Qwen3 block "

@@ -99,9 +99,9 @@ def file_names(w: Mapping[str, torch.Tensor], n: int, snapshot: str) -> Dict[str
 
 
 def expected_names(n: int, num_capture: int, reduced: bool, attn_bias: bool, fc_bias: bool,
-                   regular: Optional[Sequence[bool]] = None) -> list:
-    """Tensor names the draft builds parameters for (lm_head/embed_tokens handled separately)."""
-    regular = list(regular) if regular is not None else [False] * n
+                   regular: Sequence[bool]) -> list:
+    """Tensor names the draft builds parameters for (lm_head/embed_tokens handled separately); ``regular``: per
+    layer, whether it is a regular layer (:func:`regular_layers`)."""
     need = ["norm.weight"]  # [S] L179-181
     if num_capture > 1:  # [S] L164-168: fc only for more than one captured layer, bias from config 'bias'
         need.append("fc.weight")
