@@ -183,6 +183,32 @@ def test_stop_strings_with_tokenizer(llama):
         generate(m, [PROMPTS[0]], SamplingParams(stop_strings=("x",)))
 
 
+def test_stop_strings_where_a_longer_output_decodes_without_them(llama):
+    # an HF tokenizer with clean_up_tokenization_spaces (BERT / GPT-2-era configs): decode(out[:k]) ends "wA '", the
+    # stop string, and decode(out[:k + 1]) reads "wA'x" without it; AR stops at token k, and so must a step that
+    # accepts tokens k and k + 1 together (the session decoded only the whole chunk)
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    m, ref = llama
+    out = ref[0]
+    k = next(i for i in range(2, len(out)) if len({out[i - 2], out[i - 1], out[i]}) == 3
+             and out[i - 1] not in out[:i - 1] and out[i] not in out[:i])
+    names = {out[k - 1]: "'", out[k]: "x"}
+    rust = Tokenizer(WordLevel({names.get(i, f"w{i}"): i for i in range(96)}, unk_token="w0"))
+    rust.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=True)
+    stop = f"w{out[k - 2]} '"
+    assert stop in tok.decode(out[:k]) and stop not in tok.decode(out[:k + 1])
+    sp = SamplingParams(max_new_tokens=10, stop_strings=(stop,))
+    ar = generate(m, [PROMPTS[0]], sp, tokenizer=tok)[0]
+    assert (ar.tokens, ar.finish_reason) == (out[:k], "stop")
+    spec_out = generate(m, [PROMPTS[0]], sp, method="draft_model", draft_model=_clone(m), tokenizer=tok,
+                        options={"num_draft_tokens": 4})[0]  # a perfect draft: whole chunks accepted
+    assert (spec_out.tokens, spec_out.text, spec_out.finish_reason) == (ar.tokens, ar.text, "stop")
+
+
 def test_cache_reused_and_recreated(llama):
     m, ref = llama
     sp = SamplingParams(max_new_tokens=10)

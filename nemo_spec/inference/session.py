@@ -535,18 +535,19 @@ class Session:
         row.seq.extend(toks)
         tk = self.tokenizer
         if sp.stop_strings and tk is not None and new:
-            text = tk.decode(row.out)
-            if any(s in text for s in sp.stop_strings):
-                # keep tokens only up to the one completing the stop string (same result as one-token steps)
-                first = len(row.out) - len(new)
-                for k in range(first + 1, len(row.out) + 1):
-                    text = tk.decode(row.out[:k])
-                    if any(s in text for s in sp.stop_strings):
-                        break
-                del new[len(new) - (len(row.out) - k):]
-                del row.out[k:]
-                row.finish = "stop"
-                row.text = text[: min(text.find(s) for s in sp.stop_strings if s in text)]
+            # every prefix a one-token step would have decoded, in order: a decode is not always prefix-stable
+            # (clean_up_tokenization_spaces turns "a '" into "a'" once the next token arrives), so the whole chunk's
+            # text may no longer hold a stop string that one of its prefixes held, where AR stopped
+            first = len(row.out) - len(new)
+            for k in range(first + 1, len(row.out) + 1):
+                text = tk.decode(row.out[:k])
+                if any(s in text for s in sp.stop_strings):
+                    # keep tokens only up to the one completing the stop string
+                    del new[len(new) - (len(row.out) - k):]
+                    del row.out[k:]
+                    row.finish = "stop"
+                    row.text = text[: min(text.find(s) for s in sp.stop_strings if s in text)]
+                    break
         if row.on_tokens is not None and new:
             if row.on_tokens(row.handle, new) is False and row.finish is None:
                 row.finish = "cancelled"
