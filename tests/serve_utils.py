@@ -45,6 +45,16 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 128, chat_template: Optiona
     return AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
 
 
+def served_text(tokenizer: Any, prompt: List[int], tokens: List[int]) -> str:
+    """The text a server owes for ``tokens`` generated after ``prompt``: what vLLM's detokenizer returns (tokenizers'
+    ``DecodeStream`` primed with the prompt ids, vllm 0.34.0 v1/engine/detokenizer.py FastIncrementalDetokenizer).
+    Not ``decode(tokens)``: a SentencePiece (Metaspace) decode drops the first token's space at the start of a text."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+    return "".join(stream.step(tokenizer.backend_tokenizer, int(t)) or "" for t in tokens)
+
+
 def tiny_model(tokenizer: Any, seed: int = 0, **kw: Any) -> torch.nn.Module:
     """A tiny Llama-style megatron-core GPT sized to ``tokenizer`` (weights scaled up so greedy picks are clear)."""
     from nemo_spec.models import build_gpt

@@ -65,6 +65,30 @@ def test_cli_streams_arg_prompt_and_matches_api(ckpt):
         _run(["--model", str(path), "", "--max-new-tokens", "6", "--ignore-eos"])
 
 
+def test_generated_text_continues_the_prompt(ckpt):
+    # a SentencePiece (Metaspace) decode drops a text's leading space: an output "▁mat ..." decoded alone read "mat",
+    # and the CLI printed "the cat sat on themat"; like transformers' text-generation pipeline (decode(prompt + output)
+    # cut after the prompt) and vLLM (a detokenizer primed with the prompt), the text is the prompt's continuation
+    from nemo_spec.checkpoint import load_model
+
+    path, _, tok = ckpt
+    model = load_model(path)
+    sp = SamplingParams(max_new_tokens=6)
+    for prompt in ("the cat sat on the", "the dog sat", "while the bird", "the mat and", "sang in the tree"):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        res = generate(model, [ids], sp, tokenizer=tok, options={"ignore_eos": True})[0]
+        if tok.convert_ids_to_tokens(res.tokens)[0].startswith("\u2581"):
+            break
+    else:
+        pytest.fail("no prompt's output starts with a word")
+    full = tok.decode(ids + res.tokens)
+    assert res.text == full[len(tok.decode(ids)):] and res.text.startswith(" ")
+    rc, out, _ = _run(["--model", str(path), prompt, "--max-new-tokens", "6", "--ignore-eos"])  # streamed
+    assert rc == 0 and out == prompt + res.text + "\n"
+    rc, out, _ = _run(["--model", str(path), prompt, "--max-new-tokens", "6", "--ignore-eos", "--no-stream"])
+    assert rc == 0 and out == f"=== [0] ===\n{prompt}{res.text}\n"
+
+
 def test_cli_stdin_file_methods_and_stats(ckpt, tmp_path):
     path, draft, _ = ckpt
     stats = tmp_path / "stats.json"

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from nemo_spec.inference import SamplingParams, generate
-from tests.serve_utils import CHAT_TEMPLATE, clone_model, live_server, tiny_model, train_tokenizer
+from tests.serve_utils import CHAT_TEMPLATE, clone_model, live_server, served_text, tiny_model, train_tokenizer
 
 PROMPTS = ["the cat sat on", "we read code ,", "hello world , this", "def main ( ) :", "birds sang in trees",
            "numbers 1 2 3", "the dog ran to", "fix bugs and ship", "a tiny model for", "write tests , fix",
@@ -64,7 +64,7 @@ def long_output(ref, tok, min_chars=14, max_tokens=24):
     for p in PROMPTS:
         ids = tok(p).input_ids
         res = greedy(ref, tok, ids, max_tokens)
-        text = tok.decode(res.tokens, skip_special_tokens=True)
+        text = served_text(tok, ids, res.tokens)
         if len(text) >= min_chars:
             return p, ids, res, text
     pytest.fail("no prompt gave a long enough greedy output")
@@ -96,18 +96,18 @@ def test_completion_greedy_equals_generate(server, ref, tok):
         res = greedy(ref, tok, ids, 20)
         out = c.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0)
         assert out.object == "text_completion"
-        assert out.choices[0].text == tok.decode(res.tokens, skip_special_tokens=True)
+        assert out.choices[0].text == served_text(tok, ids, res.tokens)
         assert out.choices[0].finish_reason == res.finish_reason
         assert out.usage.prompt_tokens == len(ids)
         assert out.usage.completion_tokens == expected_usage(res)
         assert out.usage.total_tokens == len(ids) + expected_usage(res)
     out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0, echo=True)
-    assert out.choices[0].text == PROMPTS[0] + tok.decode(greedy(ref, tok, tok(PROMPTS[0]).input_ids, 20).tokens,
-                                                          skip_special_tokens=True)
+    ids = tok(PROMPTS[0]).input_ids
+    assert out.choices[0].text == PROMPTS[0] + served_text(tok, ids, greedy(ref, tok, ids, 20).tokens)
     # token-id prompts are accepted as well
     ids = tok(PROMPTS[0]).input_ids
     out = c.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0)
-    assert out.choices[0].text == tok.decode(greedy(ref, tok, ids, 20).tokens, skip_special_tokens=True)
+    assert out.choices[0].text == served_text(tok, ids, greedy(ref, tok, ids, 20).tokens)
 
 
 def test_chat_greedy_equals_generate_with_tokenizer_template(server, ref, tok):
@@ -118,7 +118,7 @@ def test_chat_greedy_equals_generate_with_tokenizer_template(server, ref, tok):
     out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
-    assert out.choices[0].message.content == tok.decode(res.tokens, skip_special_tokens=True)
+    assert out.choices[0].message.content == served_text(tok, ids, res.tokens)
     assert out.choices[0].finish_reason == res.finish_reason
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == expected_usage(res)
@@ -142,7 +142,7 @@ def test_streaming_matches_non_streaming(server, ref, tok):
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-    assert content == tok.decode(cres.tokens, skip_special_tokens=True)
+    assert content == served_text(tok, chat_ids(tok, messages), cres.tokens)
     assert chunks[-1].choices[0].finish_reason == cres.finish_reason
 
 
@@ -170,7 +170,7 @@ def test_stop_strings(server, ref, tok):
     assert out.choices[0].finish_reason == "stop"
     # usage counts the tokens up to the one that completed the stop string
     n = next(k for k in range(1, len(res.tokens) + 1)
-             if stop in tok.decode(res.tokens[:k], skip_special_tokens=True))
+             if stop in served_text(tok, ids, res.tokens[:k]))
     assert out.usage.completion_tokens == n
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="tiny", prompt=p, max_tokens=24, temperature=0, stop=stop, stream=True) if ch.choices)
@@ -183,7 +183,7 @@ def test_n_and_seed(server, ref, tok):
     res = greedy(ref, tok, tok(p).input_ids, 10)
     out = c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, n=3)
     assert [ch.index for ch in out.choices] == [0, 1, 2]
-    assert {ch.text for ch in out.choices} == {tok.decode(res.tokens, skip_special_tokens=True)}
+    assert {ch.text for ch in out.choices} == {served_text(tok, tok(p).input_ids, res.tokens)}
     assert out.usage.completion_tokens == 3 * expected_usage(res)
     assert out.usage.prompt_tokens == len(tok(p).input_ids)
 
@@ -207,7 +207,7 @@ def test_16_concurrent_streams(server, ref, tok):
     expected = {}
     for p in PROMPTS:
         ids = chat_ids(tok, [{"role": "user", "content": p}])
-        expected[p] = tok.decode(greedy(ref, tok, ids, 16).tokens, skip_special_tokens=True)
+        expected[p] = served_text(tok, ids, greedy(ref, tok, ids, 16).tokens)
     batches_before = server.manager.get("tiny").batcher.batches_run
     barrier = threading.Barrier(len(PROMPTS))
 
@@ -259,6 +259,20 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, tok):
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 65}), 400, "n")  # n <= 64
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}), 400)
     check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2}), 400, "logprobs")
+    check(post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 0}), 400, "logprobs")  # was ignored
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 100})):
+        check(post("/v1/completions", json={"model": "tiny", "prompt": "x", field: value}), 400, field)
+    # vLLM's sampling extensions were ignored silently (unknown fields are); any value but their off value is a 400
+    for field, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("min_tokens", 4), ("stop_token_ids", [5]),
+                         ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("bad_words", ["x"]),
+                         ("structured_outputs", {"choice": ["a"]})):
+        check(post("/v1/completions", json={"model": "tiny", "prompt": "x", field: value}), 400, field)
+        check(post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                 field: value}), 400, field)
+    for field, value in (("repetition_penalty", 1.0), ("min_tokens", 0), ("stop_token_ids", []), ("min_p", None),
+                         ("skip_special_tokens", True), ("some_other_field", 3)):  # off, or unknown: served
+        assert post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, field: value}) \
+            .status_code == 200
     check(post("/v1/completions", json={"model": "tiny", "prompt": [10**6]}), 400, "prompt")
     check(post("/v1/completions", json={"prompt": "x"}), 400, "model")
     check(post("/v1/chat/completions", json={"model": "tiny", "messages": []}), 400, "messages")

@@ -10,14 +10,15 @@ import openai
 import pytest
 
 from nemo_spec.inference import SamplingParams, generate
-from tests.serve_utils import clone_model, live_server, poison_steps, tiny_model
+from tests.serve_utils import clone_model, live_server, poison_steps, served_text, tiny_model
 from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
 
 def _greedy_text(ref, tok, prompt, max_tokens):
-    res = generate(ref, [tok(prompt).input_ids], SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
+    ids = tok(prompt).input_ids
+    res = generate(ref, [ids], SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
                                                                 stop_token_ids=(tok.eos_token_id,)))[0]
-    return tok.decode(res.tokens, skip_special_tokens=True)
+    return served_text(tok, ids, res.tokens)
 
 
 def test_api_keys_and_admin_load_switch_unload(model, tok, tok_dir, tmp_path):

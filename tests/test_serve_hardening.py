@@ -21,7 +21,7 @@ import torch
 
 from nemo_spec.inference import SamplingParams, generate, get_engine
 from tests.helpers import ROOT, _free_port, script_env
-from tests.serve_utils import clone_model, live_server, poison_steps, tiny_model
+from tests.serve_utils import clone_model, live_server, poison_steps, served_text, tiny_model
 from tests.serve_utils import model, tok, tok_dir  # noqa: F401  (pytest fixtures)
 
 
@@ -32,7 +32,7 @@ def _post(srv, path, body, timeout=60, **kw):
 def _greedy_text(ref, tok, prompt, n):
     ids = tok(prompt).input_ids
     res = generate(ref, [ids], SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=(tok.eos_token_id,)))
-    return tok.decode(res[0].tokens, skip_special_tokens=True)
+    return served_text(tok, ids, res[0].tokens)
 
 
 def _wait(cond, timeout=30.0):
@@ -50,12 +50,15 @@ def test_seed_out_of_range_is_a_400(model, tok):
             r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "seed": seed})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "seed"
-        # n rows take seeds seed .. seed+n-1: the last one must fit too
-        r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2,
-                                           "seed": 2**63 - 1, "n": 2})
-        assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
-        ok = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2, "seed": 2**63 - 1})
-        assert ok.status_code == 200
+        # n rows take seeds seed .. seed+n-1, wrapped into a signed 64-bit integer: the largest seed is a valid
+        # request at any n (it was refused), and its second choice samples as seed -2**63 does alone
+        ids = tok("the cat").input_ids
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+        r = _post(srv, "/v1/completions", {**body, "seed": 2**63 - 1, "n": 2})
+        assert r.status_code == 200, r.text
+        for seed, choice in zip((2**63 - 1, -(2**63)), r.json()["choices"]):
+            alone = _post(srv, "/v1/completions", {**body, "seed": seed})
+            assert alone.status_code == 200 and choice["text"] == alone.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "batch"])
@@ -118,7 +121,7 @@ def test_a_step_that_fails_is_resumed_request_by_request(model, tok, monkeypatch
         assert g.status_code == 200, g.text
         ids = tok(p).input_ids
         want = generate(ref, [ids], SamplingParams(max_new_tokens=8), options={"ignore_eos": True})[0].tokens
-        assert g.json()["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+        assert g.json()["choices"][0]["text"] == served_text(tok, ids, want)
 
 
 @pytest.mark.parametrize("method,options,extra", [("ar", {}, 1), ("prompt_lookup", {"num_draft_tokens": 4}, 5)])
@@ -284,7 +287,7 @@ def test_tiny_temperature_is_greedy(model, tok):
         r = _post(srv, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 1e-40,
                                            "ignore_eos": True})
         assert r.status_code == 200
-        assert r.json()["choices"][0]["text"] == tok.decode(greedy, skip_special_tokens=True)
+        assert r.json()["choices"][0]["text"] == served_text(tok, ids, greedy)
 
 
 # ------------------------------------------------------------------------------------ 7. metrics and batching
@@ -345,7 +348,7 @@ def test_n_above_max_batch_is_split_over_batches(model, tok):
     for ch in out.choices:  # each choice is its own seeded row: the same as generating it alone
         want = generate(ref, [ids], SamplingParams(temperature=0.9, max_new_tokens=8, seed=11 + ch.index),
                         options={"ignore_eos": True})[0]
-        assert ch.text == tok.decode(want.tokens, skip_special_tokens=True)
+        assert ch.text == served_text(tok, ids, want.tokens)
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "batch"])
@@ -669,7 +672,7 @@ def test_a_client_leaving_mid_batch_does_not_stop_the_worker(tok, method, transf
         assert r.json()["usage"]["completion_tokens"] == 40
         ids = tok(other["prompt"], add_special_tokens=False).input_ids
         ref = generate(base, [ids], SamplingParams(max_new_tokens=40), options={"ignore_eos": True})[0].tokens
-        assert r.json()["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+        assert r.json()["choices"][0]["text"] == served_text(tok, ids, ref)
         assert batcher.alive and srv.app.state.metrics.cancelled.total() >= 1
         nxt = _post(srv, "/v1/completions", {**other, "max_tokens": 4}, 60)
         assert nxt.status_code == 200 and nxt.json()["usage"]["completion_tokens"] == 4

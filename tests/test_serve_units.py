@@ -12,7 +12,7 @@ from nemo_spec.serve.config import ModelSpec, ServeConfig
 from nemo_spec.serve.metrics import ServerMetrics
 from nemo_spec.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.helpers import ROOT
-from tests.serve_utils import live_server, tiny_model, train_tokenizer
+from tests.serve_utils import live_server, served_text, tiny_model, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,20 @@ def test_incremental_decoder_stop_strings(tok, chunk):
     dec = IncrementalDecoder(tok, ["mat and"])
     out = dec.add(tok("the cat sat on a mat", add_special_tokens=False).input_ids)
     assert out == "the cat sat on a " and dec.flush() == "mat"
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_decoder_continues_the_prompt(tok, chunk):
+    # a SentencePiece (Metaspace) decode drops the first token's space at the start of a text: decoded alone, " a mat"
+    # came back as "a mat", and echo returned "the cat sat ona mat"; primed with the prompt it is the continuation
+    prompt = tok("the cat sat on", add_special_tokens=False).input_ids
+    comp = tok(" a mat and the dog", add_special_tokens=False).input_ids
+    assert tok.convert_ids_to_tokens(comp)[0].startswith("\u2581")
+    dec = IncrementalDecoder(tok, (), prompt)
+    text = "".join(dec.add(comp[i:i + chunk]) for i in range(0, len(comp), chunk)) + dec.flush()
+    assert text == " a mat and the dog" == served_text(tok, prompt, comp)
+    assert tok.decode(prompt) + text == tok.decode(prompt + comp)
+    assert dec.tokens == comp  # what usage counts: the generated tokens only
 
 
 # ------------------------------------------------------------------------------------------------ templates

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 from nemo_spec.fsutil import write_text_atomic
-from nemo_spec.inference.sampling import SamplingError, SamplingParams
+from nemo_spec.inference.sampling import SamplingError, SamplingParams, continuation_text
 from nemo_spec.inference.proposers import METHODS
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,9 @@ class TextStreamer:
     ``prefix`` (the prompt) is printed with the first tokens, so nothing is printed for a request that fails
     before it generates; :meth:`finish` prints it if no token came."""
 
-    def __init__(self, tokenizer: Any, out: TextIO, prefix: str = "") -> None:
+    def __init__(self, tokenizer: Any, out: TextIO, prefix: str = "", prompt: Sequence[int] = ()) -> None:
         self.tok, self.out = tokenizer, out
+        self.prompt = list(prompt)  # decoded ahead of the row's tokens: the text continues the prompt
         self.ids: List[int] = []
         self.printed = ""
         self.prefix: Optional[str] = prefix
@@ -170,7 +171,7 @@ class TextStreamer:
     def __call__(self, row: int, ids: List[int]) -> None:
         self.finish()
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
+        text = continuation_text(self.tok, self.prompt, self.ids)
         if text.endswith("\ufffd"):  # incomplete multi-byte character: wait for more tokens
             return None
         self.out.write(text[len(self.printed):] if text.startswith(self.printed) else "\n" + text)
@@ -227,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
         chunk = prompts[start: start + args.batch_size]
         ids = all_ids[start: start + args.batch_size]
         stream = rank0 and not args.no_stream and len(chunk) == 1
-        streamer = TextStreamer(tokenizer, stdout, prefix=chunk[0]) if stream else None
+        streamer = TextStreamer(tokenizer, stdout, prefix=chunk[0], prompt=ids[0]) if stream else None
         results = generate(model, ids, params, method=args.method, draft_model=draft, options=options,
                            tokenizer=tokenizer, on_tokens=streamer)
         for i, (prompt, res) in enumerate(zip(chunk, results)):

@@ -18,7 +18,7 @@ Lossless rules (``p`` = warped target distribution, ``q`` = the distribution a d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,6 +87,21 @@ class SamplingParams:
     def warp_key(self) -> Tuple[float, int, float]:
         """The fields that determine the warped distribution."""
         return (float(self.temperature), int(self.top_k), float(self.top_p))
+
+
+# prompt tokens decoded ahead of the generated ones, so that generated text reads as the prompt's continuation: a
+# decoder that strips a text's leading space (SentencePiece's Metaspace) drops the space between prompt and output
+# when the output is decoded alone. vLLM primes its detokenizer with the prompt (v1/engine/detokenizer.py
+# FastIncrementalDetokenizer), transformers' text-generation pipeline cuts decode(prompt + output) after the prompt.
+TEXT_CONTEXT_TOKENS = 6
+
+
+def continuation_text(tokenizer: Any, prompt: Sequence[int], out: Sequence[int]) -> str:
+    """Text of ``out`` as the continuation of ``prompt`` (its last :data:`TEXT_CONTEXT_TOKENS` tokens)."""
+    ctx = [int(t) for t in prompt[max(0, len(prompt) - TEXT_CONTEXT_TOKENS):]]
+    head = tokenizer.decode(ctx) if ctx else ""
+    full = tokenizer.decode(ctx + [int(t) for t in out])
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(list(out))
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -33,7 +33,7 @@ from nemo_spec.models.gpt import gather_vocab, gpt_forward, output_logits
 from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, pooled_cache,
                                         tau_of, peak_memory_bytes)
-from nemo_spec.inference.sampling import SamplingError, SamplingParams, row_generators
+from nemo_spec.inference.sampling import SamplingError, SamplingParams, continuation_text, row_generators
 from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
 from nemo_spec.inference.proposers.common import chain_block, last_valid
 from nemo_spec.inference.transfer import allowed_sync, h2d, tensor
@@ -540,7 +540,7 @@ class Session:
             # text may no longer hold a stop string that one of its prefixes held, where AR stopped
             first = len(row.out) - len(new)
             for k in range(first + 1, len(row.out) + 1):
-                text = tk.decode(row.out[:k])
+                text = continuation_text(tk, row.prompt, row.out[:k])
                 if any(s in text for s in sp.stop_strings):
                     # keep tokens only up to the one completing the stop string
                     del new[len(new) - (len(row.out) - k):]
@@ -580,7 +580,7 @@ class Session:
         }
         text = row.text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(row.out)
+            text = continuation_text(self.tokenizer, row.prompt, row.out)
         return GenerationResult(tokens=row.out, finish_reason=row.finish or "length", stats=stats, text=text)
 
 

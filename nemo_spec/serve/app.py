@@ -428,7 +428,8 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         check_rows(len(prompts), n)
         for p_idx, prompt in enumerate(prompts):
             for j in range(n):
-                seed = None if req.seed is None else req.seed + j
+                # choice j samples with seed + j, wrapped into a signed 64-bit integer as the seed itself is
+                seed = None if req.seed is None else (req.seed + j + 2**63) % 2**64 - 2**63
                 rows.append(RowSpec(list(prompt), _sampling_params(served, req, max_tokens, seed), p_idx * n + j))
         prompt_tokens = sum(len(p) for p in prompts)
         gen = GenRequest(rows=rows, stop=req.stop_list() + [s for s in extra_stop if s not in req.stop_list()],

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
+from nemo_spec.inference.sampling import TEXT_CONTEXT_TOKENS
 from nemo_spec.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -42,26 +43,28 @@ EngineFn = Callable[[List[List[int]], List[Any], Callable[[int, List[int]], Opti
 class IncrementalDecoder:
     """Token ids -> text deltas, robust to multi-token characters, with stop-string detection and hold-back."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
-        self.tokens: List[int] = []
+        self.tokens: List[int] = []  # generated
+        # the prompt's last tokens, decoded ahead of the generated ones: the text continues the prompt (sampling.py)
+        self._ids: List[int] = [int(t) for t in prompt[max(0, len(prompt) - TEXT_CONTEXT_TOKENS):]]
         self.text = ""  # decoded so far (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned
         self._prefix = 0
-        self._read = 0
+        self._read = len(self._ids)
         self.stopped = False
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _advance(self) -> None:
-        prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        new_text = self._decode(self.tokens[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.text += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix, self._read = self._read, len(self._ids)
 
     def _held_back(self) -> int:
         """Characters at the end of text that could start a stop string."""
@@ -80,12 +83,14 @@ class IncrementalDecoder:
         before_text = len(self.text)
         if not self.stop:  # no stop strings: one incremental decode for the whole chunk
             self.tokens.extend(int(t) for t in ids)
+            self._ids.extend(int(t) for t in ids)
             self._advance()
             delta = self.text[self.emitted:]
             self.emitted = len(self.text)
             return delta
         for t in ids:  # one token at a time so a stop string is caught at the token that completes it
             self.tokens.append(int(t))
+            self._ids.append(int(t))
             self._advance()
             if self.stop and len(self.text) > before_text:
                 start = max(0, before_text - self.max_stop + 1)
@@ -103,12 +108,12 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """At the end of generation: everything not yet emitted (incl. held-back text and partial characters)."""
-        if not self.stopped and self._read < len(self.tokens):
-            full = self._decode(self.tokens[self._prefix:])
-            prefix_text = self._decode(self.tokens[self._prefix:self._read])
+        if not self.stopped and self._read < len(self._ids):
+            full = self._decode(self._ids[self._prefix:])
+            prefix_text = self._decode(self._ids[self._prefix:self._read])
             if len(full) > len(prefix_text):
                 self.text += full[len(prefix_text):]
-            self._read = len(self.tokens)
+            self._read = len(self._ids)
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
@@ -391,7 +396,7 @@ class Batcher(_RequestQueue):
         rows: List[Tuple[GenRequest, RowSpec, IncrementalDecoder, _SliceProgress]] = []
         for (req, specs), prog in zip(batch, progress):
             for r in specs:
-                rows.append((req, r, IncrementalDecoder(self.tokenizer, req.stop), prog))
+                rows.append((req, r, IncrementalDecoder(self.tokenizer, req.stop, r.prompt), prog))
         done = [False] * len(rows)
 
         def end_row(row: int, reason: Optional[str], count: int, stats: Dict[str, Any]) -> None:
@@ -600,7 +605,7 @@ class SessionBatcher(_RequestQueue):
             req.next_row += 1
             if req.next_row >= req.num_rows:
                 self._pending.popleft()
-            added += self._add_row(_Live(req, spec, IncrementalDecoder(self.tokenizer, req.stop)))
+            added += self._add_row(_Live(req, spec, IncrementalDecoder(self.tokenizer, req.stop, spec.prompt)))
         return added
 
     def _add_row(self, lv: _Live, resume: bool = False) -> int:

@@ -1,6 +1,7 @@
 """OpenAI API request/response models (pydantic v2) and OpenAI-style errors."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -34,10 +35,24 @@ def invalid(message: str, param: Optional[str] = None, code: Optional[str] = Non
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-class _Request(BaseModel):
-    """Fields shared by completion and chat-completion requests (unknown fields are ignored, as OpenAI clients expect)."""
+# vLLM's sampling extensions (vllm 0.34.0 entrypoints/openai/completion/protocol.py:77-117, 268; the guided_* fields of
+# earlier releases) with the value that leaves the output as this server makes it: any other value would be ignored
+# silently, as unknown fields are, so it is refused by name
+VLLM_EXTENSIONS_OFF: Dict[str, Any] = {
+    "use_beam_search": False, "min_p": 0.0, "repetition_penalty": 1.0, "watermarking": False, "length_penalty": 1.0,
+    "stop_token_ids": [], "include_stop_str_in_output": False, "min_tokens": 0, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": [], "prompt_embeds": None,
+    "structured_outputs": None, "repetition_detection": None, "vllm_xargs": None, "logits_processors": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Request(BaseModel):
+    """Fields shared by completion and chat-completion requests (unknown fields are ignored, as OpenAI clients expect;
+    vLLM's sampling extensions set to anything but their off value are refused, see :data:`VLLM_EXTENSIONS_OFF`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -92,6 +107,11 @@ class _Request(BaseModel):
             raise invalid("frequency_penalty is not supported by this server (use 0)", "frequency_penalty")
         if self.logit_bias:
             raise invalid("logit_bias is not supported by this server", "logit_bias")
+        for name, value in (self.model_extra or {}).items():
+            if name in VLLM_EXTENSIONS_OFF and value is not None and value != VLLM_EXTENSIONS_OFF[name]:
+                off = VLLM_EXTENSIONS_OFF[name]
+                hint = f" (leave it out{'' if off is None else f' or send {json.dumps(off)}'})"
+                raise invalid(f"{name} (a vLLM sampling extension) is not supported by this server{hint}", name)
 
 
 class StreamOptions(BaseModel):
@@ -181,7 +201,7 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         """Reject unsupported completion parameters with a 400."""
         super().check_supported()
-        if self.logprobs:
+        if self.logprobs is not None:  # logprobs=0 asks for the sampled tokens' logprobs
             raise invalid("logprobs is not supported by this server", "logprobs")
         if self.suffix:
             raise invalid("suffix is not supported by this server", "suffix")
