@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast test-nemo test-modelopt test-speculators test-smollm2 quickstart quickstart-smollm2 clean
+.PHONY: venv test test-fast test-nemo test-modelopt test-speculators test-megatron-bridge test-smollm2 quickstart quickstart-smollm2 clean
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): setup.py requirements-cpu.txt
 	# the SentencePiece library, a test reference only, kept off the venv's path: its wheel bundles a second libgomp,
 	# and transformers imports it whenever it is importable (tests/test_gguf.py runs it in a child process)
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/sentencepiece-ref sentencepiece==0.2.3
+	# NeMo 3.0 (no LLM collection), off the venv's path: tests/test_training.py checks the NeMo integration's message
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/nemo3-ref nemo_toolkit==3.0.0
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -76,6 +78,18 @@ $(SPECULATORS_VENV)/.installed: tests/speculators/requirements.txt tests/specula
 test-speculators: $(STAMP) $(SPECULATORS_VENV)/.installed
 	$(call import_suite,$(SPECULATORS_VENV),speculators,NEMO_SPEC_SPECULATORS_EXPORTS)
 
+# Megatron Bridge checkpoints (NeMo 3's LLM training): Megatron Bridge 0.3.1's own providers and save code write them in
+# its side environment (~3 min to build, ~30 s to run), the project's environment loads them (tests/megatron_bridge);
+# Bridge and ModelOpt without their declared (GPU) dependencies, see its requirements.txt
+BRIDGE_VENV ?= .venv-megatron-bridge
+$(BRIDGE_VENV)/.installed: tests/megatron_bridge/requirements.txt tests/megatron_bridge/constraints.txt
+	$(call side_venv,$(BRIDGE_VENV),megatron_bridge)
+	$(BRIDGE_VENV)/bin/python -m pip install -q --no-deps megatron-bridge==0.3.1 nvidia-modelopt==0.47.0
+	touch $@
+
+test-megatron-bridge: $(STAMP) $(BRIDGE_VENV)/.installed
+	$(call import_suite,$(BRIDGE_VENV),megatron_bridge,NEMO_SPEC_BRIDGE_EXPORTS)
+
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
 
@@ -89,4 +103,4 @@ test-smollm2: $(STAMP)
 	NEMO_SPEC_TEST_SMOLLM2=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_gguf.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) $(SPECULATORS_VENV) .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) $(SPECULATORS_VENV) $(BRIDGE_VENV) .pytest_cache

@@ -913,3 +913,16 @@ def test_cpu_bf16_mixed_training(base, tmp_path, algorithm):
     before = {k: v for k, v in load_model(model_path).state_dict().items() if isinstance(v, torch.Tensor)}
     after = model.gpt.state_dict()
     assert before and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_nemo_integration_names_nemo_3_when_it_is_installed():
+    # NeMo 3.0 has no LLM collection (llm.train): importing the NeMo integration there says so and points to Megatron
+    # Bridge's checkpoints instead of only asking for NeMo 2 (NeMo 3.0.0 itself, installed off the path by make venv)
+    ref = Path(sys.prefix) / "nemo3-ref"
+    if not (ref / "nemo").is_dir():
+        pytest.skip(f"NeMo 3.0 is not installed at {ref} (make venv installs it)")
+    p = subprocess.run([sys.executable, "-c", "import nemo_spec.integrations.nemo"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ref), str(ROOT)])})
+    assert p.returncode != 0
+    assert "installed: 3.0.0" in p.stderr and "NeMo 3 removed the LLM collection" in p.stderr, p.stderr[-2000:]
+    assert "Megatron Bridge checkpoints" in p.stderr

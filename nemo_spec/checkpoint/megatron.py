@@ -105,8 +105,8 @@ def _gguf_file_format(p: Path) -> Optional[str]:
 
 
 def detect_format(path: PathLike) -> str:
-    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'nemo2', 'hf' or
-    'gguf' (a llama.cpp GGUF file)."""
+    """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'megatron_bridge',
+    'nemo2', 'hf' or 'gguf' (a llama.cpp GGUF file)."""
     if _gguf_file_format(Path(path).expanduser()) is not None:
         return "gguf"
     p = _check_dir(path)
@@ -116,8 +116,10 @@ def detect_format(path: PathLike) -> str:
 
     if nemo2.is_nemo2_dir(p):
         return "nemo2"
-    from nemo_spec.checkpoint import legacy
+    from nemo_spec.checkpoint import bridge, legacy
 
+    if bridge.is_bridge_dir(p):  # before Megatron-LM's: the same tracker file, but no 'args' in common.pt
+        return bridge.FORMAT
     kind = legacy.detect(p)
     if kind is not None:
         return kind
@@ -134,14 +136,15 @@ def detect_format(path: PathLike) -> str:
     found = sorted(x.name for x in p.iterdir())[:12]
     if (p / DIST_METADATA).is_file():
         raise CheckpointError(
-            f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME} "
-            f"and its common.pt holds no Megatron-LM 'args'")
+            f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME}, "
+            f"no {bridge.RUN_CONFIG} (Megatron Bridge) and its common.pt holds no Megatron-LM 'args'")
     if (p / "context").is_dir() and (p / "weights").is_dir():
         raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint (context/ + weights/) but weights/{DIST_METADATA} "
                               f"is missing: the save did not finish")
     raise CheckpointError(
         f"unrecognised checkpoint directory {p}: looked for {CONFIG_NAME} (nemo_spec torch_dist), "
         f"latest_checkpointed_iteration.txt / iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt (Megatron-LM), "
+        f"iter_XXXXXXX/{bridge.RUN_CONFIG} (Megatron Bridge), "
         f"context/ + weights/ (NeMo 2), "
         f"config.json with 'architectures' (Hugging Face); found {found}")
 
@@ -179,6 +182,10 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.read_config(p)
+    if fmt == "megatron_bridge":
+        from nemo_spec.checkpoint import bridge
+
+        return bridge.read_config(p)
     if fmt == "gguf":
         from nemo_spec.checkpoint import gguf
 
@@ -250,6 +257,10 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.tokenizer_dir(p)
+    if fmt == "megatron_bridge":
+        from nemo_spec.checkpoint import bridge
+
+        return bridge.tokenizer_dir(p)
     return None
 
 
@@ -592,7 +603,8 @@ def _load_own(p: Path, tp_size: Optional[int], dtype: Optional[torch.dtype], bas
 
 def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                base_only: bool = False, ep_size: Optional[int] = None) -> torch.nn.Module:
-    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, NeMo 2 or Hugging Face checkpoint directory,
+    """Load a GPTModel (or SpeculativeGPT) from a nemo_spec, Megatron-LM, Megatron Bridge, NeMo 2 or Hugging Face
+    checkpoint directory,
     or a llama.cpp GGUF file.
 
     The model is built for the current tensor-parallel size (``tp_size`` re-initialises the parallel state
@@ -606,7 +618,7 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
     fmt = detect_format(p)
     if fmt == FORMAT_NAME:
         return _load_own(p, tp_size, dtype, base_only, ep_size)
-    if fmt in ("megatron_legacy", "megatron_dist", "nemo2") and ep_size not in (None, 1):
+    if fmt in ("megatron_legacy", "megatron_dist", "megatron_bridge", "nemo2") and ep_size not in (None, 1):
         raise CheckpointError(f"{p}: ep_size={ep_size} given for a {fmt} checkpoint, whose reader loads dense models "
                               "only (expert parallelism is for MoE models: nemo_spec, Hugging Face and GGUF "
                               "checkpoints)")
@@ -618,6 +630,10 @@ def load_model(path: PathLike, tp_size: Optional[int] = None, dtype: Optional[to
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.load_nemo2(p, tp_size=tp_size, dtype=dtype, base_only=base_only)
+    if fmt == "megatron_bridge":
+        from nemo_spec.checkpoint import bridge
+
+        return bridge.load_bridge(p, tp_size=tp_size, dtype=dtype)
     if fmt == "gguf":
         from nemo_spec.checkpoint import gguf
 

@@ -76,8 +76,10 @@ def _vocab_from_weights(wdir: Path, source: str) -> int:
     raise CheckpointError(f"{wdir}: no embedding.word_embeddings.weight tensor (is {source} a GPT checkpoint?)")
 
 
-def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
-    """Map a NeMo GPTConfig (``model.yaml`` ``config:``) to a ModelConfig; unsupported features raise naming them."""
+def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str, qk_layernorm: bool = False) -> ModelConfig:
+    """Map a NeMo GPTConfig (``model.yaml`` ``config:``) to a ModelConfig; unsupported features raise naming them.
+    ``qk_layernorm``: read megatron-core's per-head q/k norms (checked against Megatron Bridge's Qwen3 checkpoints;
+    NeMo 2's are refused, untested)."""
     _, CheckpointConfigError = _errors()
 
     def unsupported(what: str, fld: str) -> Exception:
@@ -86,10 +88,10 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
     for fld in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(c.get(fld), int):
             raise CheckpointConfigError(f"{source}: config.{fld} is missing or not an int")
-    for fld, what in (("num_moe_experts", "mixture of experts"), ("qk_layernorm", "QK layer norm"),
-                      ("multi_latent_attention", "multi-latent attention"),
-                      ("rotary_interleaved", "interleaved RoPE"),
-                      ("apply_residual_connection_post_layernorm", "post-norm residuals")):
+    refused = [("num_moe_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
+               ("rotary_interleaved", "interleaved RoPE"),
+               ("apply_residual_connection_post_layernorm", "post-norm residuals")]
+    for fld, what in refused + ([] if qk_layernorm else [("qk_layernorm", "QK layer norm")]):
         if c.get(fld):
             raise unsupported(what, fld)
     # settings megatron applies that the project spec does not have (e.g. MistralConfig7B's window_size [4096, 0]):
@@ -140,7 +142,7 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
         rope_scaling=rope_scaling, add_bias_linear=bool(c.get("add_bias_linear", True)),
         add_qkv_bias=bool(c.get("add_qkv_bias", False)),
         tie_word_embeddings=bool(c.get("share_embeddings_and_output_weights", True)),
-        init_method_std=float(c.get("init_method_std", 0.02)),
+        init_method_std=float(c.get("init_method_std", 0.02)), qk_layernorm=bool(c.get("qk_layernorm", False)),
     )
     try:
         return ModelConfig(**d)

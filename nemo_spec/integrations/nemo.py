@@ -24,12 +24,25 @@ from typing import Any, Dict
 
 import torch
 
+def _installed_nemo() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("nemo_toolkit")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 try:
     from nemo.lightning.pytorch.callbacks.model_transform import ModelTransform
 except ImportError as e:  # pragma: no cover - exercised where NeMo is absent
+    _version = _installed_nemo()
+    _nemo3 = (" NeMo 3 removed the LLM collection (llm.train) and moved LLM training to Megatron Bridge, whose "
+              "checkpoints nemo_spec's load_model reads (README 'Megatron Bridge checkpoints')."
+              if _version and int(_version.split(".")[0]) >= 3 else "")
     raise ImportError(
-        "nemo_spec.integrations.nemo needs NeMo 2's LLM collection (nemo_toolkit[llm] 2.7.x); see README "
-        f"'NeMo 2' for the tested pins ({e})") from e
+        f"nemo_spec.integrations.nemo needs NeMo 2's LLM collection (nemo_toolkit[llm] 2.7.x; installed: "
+        f"{_version or 'none'}).{_nemo3} See README 'NeMo 2' for the tested pins ({e})") from e
 
 from nemo_spec import parallel
 from nemo_spec.checkpoint.nemo2 import CHECKPOINT_KEY, draft_modules

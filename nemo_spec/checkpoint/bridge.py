@@ -1,0 +1,132 @@
+"""Megatron Bridge checkpoints (NeMo 3's LLM training: ``megatron-bridge``), read without Bridge installed.
+
+Layout (as Megatron Bridge 0.3.1 writes it, megatron/bridge/training/checkpointing.py ``save_checkpoint``)::
+
+    <root>/latest_checkpointed_iteration.txt   the step (Megatron-LM's tracker file, kept for compatibility)
+    <root>/iter_NNNNNNN/run_config.yaml        the whole ConfigContainer; ``model:`` is the model provider
+                                               (GPTModelProvider / LlamaModelProvider ... fields: TransformerConfig
+                                               names, as NeMo 2's GPTConfig)
+    <root>/iter_NNNNNNN/common.pt, .metadata   megatron ``torch_dist`` (no Megatron-LM ``args``; keys as GPTModel's
+                                               sharded state dict, TE norm names ``linear_qkv.layer_norm_weight``)
+    <root>/iter_NNNNNNN/tokenizer/             the tokenizer files (``save_tokenizer_assets``, on by default)
+
+The architecture comes from ``run_config.yaml`` through the NeMo 2 mapping (same field names; anything nemo_spec's
+layer spec cannot represent is refused, naming the field), plus the provider's own RoPE switch (``rope_scaling`` +
+``rope_scaling_factor``, passed to megatron-core's RotaryEmbedding, which applies Llama 3's scaling with its fixed
+low/high frequency factors 1 / 4 and original length 8192); the padded vocabulary from the weights' metadata;
+weights load at any TP size through ``dist_checkpointing``.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from nemo_spec.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.yaml"
+FORMAT = "megatron_bridge"
+
+
+def _iter_dir(p: Path) -> Optional[Path]:
+    """The iteration directory of a Bridge root (tracker file) or ``p`` itself, when it holds a run_config.yaml."""
+    from nemo_spec.checkpoint import legacy
+
+    if (p / legacy.TRACKER).is_file():
+        iteration, release = legacy.read_tracker(p / legacy.TRACKER)
+        p = p / ("release" if release else f"iter_{iteration:07d}")
+    return p if (p / RUN_CONFIG).is_file() and (p / "common.pt").is_file() else None
+
+
+def is_bridge_dir(p: Path) -> bool:
+    """Whether ``p`` is a Megatron Bridge checkpoint root or iteration directory."""
+    try:
+        return _iter_dir(p) is not None
+    except Exception:  # noqa: BLE001 - an unreadable tracker is not Bridge's to report
+        return False
+
+
+def _model_yaml(it: Path) -> Dict[str, Any]:
+    import yaml
+
+    from nemo_spec.checkpoint.megatron import CheckpointError
+
+    f = it / RUN_CONFIG
+    try:
+        doc = yaml.safe_load(f.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{f}: cannot parse ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+        raise CheckpointError(f"{f}: no 'model' mapping (the model provider's fields)")
+    return doc["model"]
+
+
+def model_config(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
+    """The provider fields (``run_config.yaml`` ``model:``) as a ModelConfig."""
+    from nemo_spec.checkpoint import nemo2
+    from nemo_spec.checkpoint.megatron import CheckpointConfigError
+
+    if c.get("rope_scaling") and c.get("seq_len_interpolation_factor"):
+        raise CheckpointConfigError(f"{source}: unsupported architecture: Llama 3 RoPE scaling and a sequence length "
+                                    f"interpolation together (config.rope_scaling=True, "
+                                    f"config.seq_len_interpolation_factor={c['seq_len_interpolation_factor']!r})")
+    cfg = nemo2.model_config_from_yaml(c, vocab, source, qk_layernorm=True)
+    if not c.get("rope_scaling"):
+        return cfg
+    d = cfg.to_dict()
+    # megatron-core RotaryEmbedding(rope_scaling=True, rope_scaling_factor=f) -> _apply_scaling(inv_freq, factor=f)
+    # with its defaults low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192
+    d["rope_scaling"] = {"rope_type": "llama3", "factor": float(c.get("rope_scaling_factor", 8.0)),
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    try:
+        return ModelConfig.from_dict(d, source=source)
+    except Exception as e:  # noqa: BLE001 - a config error names the file
+        raise CheckpointConfigError(f"{source}: {e}") from e
+
+
+def read_config(p: Path) -> Dict[str, Any]:
+    """{"format": "megatron_bridge", "model": ModelConfig dict, "params_dtype", "tp_size_saved", "source",
+    "target" (the provider class), "iter_dir"}."""
+    from nemo_spec.checkpoint import nemo2
+
+    it = _iter_dir(p)
+    source = str(it / RUN_CONFIG)
+    c = _model_yaml(it)
+    cfg = model_config(c, nemo2._vocab_from_weights(it, source), source)
+    dtype = nemo2._target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
+    return {"format": FORMAT, "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
+            "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
+            "target": nemo2._target(c), "iter_dir": str(it)}
+
+
+def tokenizer_dir(p: Path) -> Optional[Path]:
+    """``iter_NNNNNNN/tokenizer`` when Bridge saved the tokenizer's files there, else None."""
+    from nemo_spec.checkpoint.megatron import TOKENIZER_FILES
+
+    it = _iter_dir(p)
+    d = it / "tokenizer" if it is not None else None
+    return d if d is not None and any((d / f).is_file() for f in TOKENIZER_FILES) else None
+
+
+def load_bridge(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """Load a Megatron Bridge checkpoint's GPTModel at the current TP (any saved TP)."""
+    from nemo_spec.checkpoint import legacy
+    from nemo_spec.checkpoint.megatron import (
+        _DTYPES, _ensure_parallel, _target_tp, build_for_checkpoint, check_tp, load_dist_into,
+    )
+
+    info = read_config(p)
+    source, it = info["source"], Path(info["iter_dir"])
+    cfg = ModelConfig.from_dict(info["model"], source=source)
+    tp = _target_tp(tp_size)
+    check_tp(cfg, tp, source)
+    _ensure_parallel(tp)
+    model = build_for_checkpoint(cfg, None, dtype or _DTYPES.get(info["params_dtype"], torch.float32), source)
+    load_dist_into(model, it, source, sharded_sd=legacy._dist_sharded_state_dict(model, it))
+    log.info("loaded Megatron Bridge checkpoint %s (%s, saved tp=%d) at tp=%d", it, info["target"],
+             info["tp_size_saved"], tp)
+    return model
