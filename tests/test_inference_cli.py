@@ -226,6 +226,14 @@ def test_benchmark_side_by_side_with_transformers(ckpt, tmp_path):
         bench.benchmark(model, prompts, None, methods=["eagle"], hf=False)
 
 
+def test_the_transformers_baseline_is_plain_transformers(ckpt):
+    # transformers 5.25 loads models with Hub kernels on by default (modeling_utils.py from_pretrained, use_kernels
+    # None -> True): the baseline would fetch kernels at run time on GPU; it is loaded with them off
+    path, _, _ = ckpt
+    m = bench._load_hf(path, torch.device("cpu"), torch.float32)
+    assert getattr(m, "use_kernels", False) is False
+
+
 def test_benchmark_continuous_schedule(ckpt, tmp_path, monkeypatch):
     """--schedule continuous: our rows run all prompts through one session of <batch> slots (one generate call with
     max_batch), not consecutive fixed batches; same greedy tokens; transformers' rows stay fixed batches; the
