@@ -12,7 +12,7 @@ from nemo_spec.data import read_conversations
 from nemo_spec.datagen import DatagenConfig, DatagenError, finished_ids, generate_data
 from nemo_spec.inference import SamplingParams, generate
 from tests.helpers import ROOT
-from tests.serve_utils import CHAT_TEMPLATE, clone_model, live_server, tiny_model, train_tokenizer
+from tests.serve_utils import CHAT_TEMPLATE, clone_model, live_server, served_text, tiny_model, train_tokenizer
 
 SYSTEM = "we read code"
 
@@ -46,7 +46,7 @@ def _expected(ref, tok, record, max_tokens):
         ids = tok(text, add_special_tokens=False).input_ids
         res = generate(ref, [ids], SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
                                                   stop_token_ids=(tok.eos_token_id,)))[0]
-        reply = tok.decode(res.tokens, skip_special_tokens=True)
+        reply = served_text(tok, ids, res.tokens)  # the server's text continues the prompt
         out.append(reply)
         msgs.append({"role": "assistant", "content": reply})
     return out
