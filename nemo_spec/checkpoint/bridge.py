@@ -50,21 +50,6 @@ def is_bridge_dir(p: Path) -> bool:
         return False
 
 
-def _model_yaml(it: Path) -> Dict[str, Any]:
-    import yaml
-
-    from nemo_spec.checkpoint.megatron import CheckpointError
-
-    f = it / RUN_CONFIG
-    try:
-        doc = yaml.safe_load(f.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{f}: cannot parse ({e})") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
-        raise CheckpointError(f"{f}: no 'model' mapping (the model provider's fields)")
-    return doc["model"]
-
-
 def model_config(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
     """The provider fields (``run_config.yaml`` ``model:``) as a ModelConfig."""
     from nemo_spec.checkpoint import nemo2
@@ -95,7 +80,7 @@ def read_config(p: Path) -> Dict[str, Any]:
 
     it = _iter_dir(p)
     source = str(it / RUN_CONFIG)
-    c = _model_yaml(it)
+    c = nemo2.yaml_with(it / RUN_CONFIG, "model", "the model provider's fields")["model"]
     cfg = model_config(c, nemo2._vocab_from_weights(it, source), source)
     dtype = nemo2._target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
     return {"format": FORMAT, "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),

@@ -42,20 +42,26 @@ def _errors():
     return CheckpointError, CheckpointConfigError
 
 
-def _read_yaml(p: Path) -> Dict[str, Any]:
+def yaml_with(f: Path, key: str, what: str) -> Dict[str, Any]:
+    """The YAML document in ``f``, which must hold a mapping under ``key`` (``what``, for the error)."""
     import yaml
 
     CheckpointError, _ = _errors()
-    f = p / "context" / "model.yaml"
-    if not f.is_file():
-        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint but has no context/model.yaml")
     try:
         doc = yaml.safe_load(f.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise CheckpointError(f"{f}: cannot parse ({e})") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise CheckpointError(f"{f}: no 'config' mapping (the model's GPTConfig)")
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), dict):
+        raise CheckpointError(f"{f}: no {key!r} mapping ({what})")
     return doc
+
+
+def _read_yaml(p: Path) -> Dict[str, Any]:
+    CheckpointError, _ = _errors()
+    f = p / "context" / "model.yaml"
+    if not f.is_file():
+        raise CheckpointError(f"{p} looks like a NeMo 2 checkpoint but has no context/model.yaml")
+    return yaml_with(f, "config", "the model's GPTConfig")
 
 
 def _target(v: Any) -> str:
