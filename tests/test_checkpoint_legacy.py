@@ -1,5 +1,6 @@
 """Megatron-LM checkpoints laid out as Megatron-LM writes them: legacy mp_rank_XX files and torch_dist iterations."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +295,27 @@ def test_old_checkpoint_version_is_rejected(tmp_path):
     write_tracker(root, 1)
     with pytest.raises(CheckpointConfigError, match="checkpoint_version=1.0"):
         load_model(root)
+
+
+def test_the_model_keys_are_found_before_the_optimizers_copies(monkeypatch):
+    # a checkpoint saved with Adam's state also holds optimizer.state.exp_avg.<every weight's key>, same shapes; which
+    # comes first in the metadata depends on how megatron spread the tensors over the saving ranks, and an optimizer
+    # key taken for the model's prefix loaded the moments as weights (found by review, in megatron's own shard
+    # distribution); vocab and key prefix come from the model's keys wherever they stand
+    from types import SimpleNamespace as NS
+
+    from megatron.core import dist_checkpointing
+
+    from nemo_spec import parallel
+    from nemo_spec.checkpoint import legacy, nemo2
+
+    parallel.initialize(tensor_parallel_size=1)
+    model = build_gpt(tiny_llama())
+    names = [v.key for v in model.sharded_state_dict().values() if hasattr(v, "global_shape")]
+    meta = {f"optimizer.state.exp_avg.{k}": NS(global_shape=(7, 7)) for k in names}
+    meta.update({k: NS(global_shape=tuple(v.global_shape)) for k, v in model.sharded_state_dict().items()
+                 if hasattr(v, "global_shape")})
+    monkeypatch.setattr(dist_checkpointing, "load_tensors_metadata", lambda *a, **k: meta)
+    assert nemo2._vocab_from_weights(Path("ckpt"), "src") == model.embedding.word_embeddings.weight.shape[0]
+    keys = {v.key for v in legacy._dist_sharded_state_dict(model, Path("ckpt")).values()}
+    assert keys and not any(k.startswith("optimizer.") for k in keys)

@@ -73,14 +73,29 @@ def model_config(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
         raise CheckpointConfigError(f"{source}: {e}") from e
 
 
+def _run_config(it: Path) -> Dict[str, Any]:
+    from nemo_spec.checkpoint import nemo2
+
+    return nemo2.yaml_with(it / RUN_CONFIG, "model", "the model provider's fields")
+
+
 def read_config(p: Path) -> Dict[str, Any]:
     """{"format": "megatron_bridge", "model": ModelConfig dict, "params_dtype", "tp_size_saved", "source",
     "target" (the provider class), "iter_dir"}."""
     from nemo_spec.checkpoint import nemo2
+    from nemo_spec.checkpoint.megatron import CheckpointError
 
     it = _iter_dir(p)
     source = str(it / RUN_CONFIG)
-    c = nemo2.yaml_with(it / RUN_CONFIG, "model", "the model provider's fields")["model"]
+    doc = _run_config(it)
+    c = doc["model"]
+    peft = doc.get("peft")
+    if peft:  # checkpointing.py saves only the adapters' tensors when cfg.peft is set
+        base = (doc.get("checkpoint") or {}).get("pretrained_checkpoint")
+        raise CheckpointError(
+            f"{source}: a PEFT checkpoint ({nemo2._target(peft) or peft}): Megatron Bridge saved only the adapter "
+            f"weights; load the base it was trained on ({base or 'checkpoint.pretrained_checkpoint'}) or a checkpoint "
+            f"with the adapters merged into the base")
     cfg = model_config(c, nemo2._vocab_from_weights(it, source), source)
     dtype = nemo2._target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
     return {"format": FORMAT, "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
@@ -89,12 +104,20 @@ def read_config(p: Path) -> Dict[str, Any]:
 
 
 def tokenizer_dir(p: Path) -> Optional[Path]:
-    """``iter_NNNNNNN/tokenizer`` when Bridge saved the tokenizer's files there, else None."""
+    """``iter_NNNNNNN/tokenizer`` when Bridge saved a Hugging Face tokenizer's files there, else None (its other
+    tokenizer types save files a Hugging Face loader misreads: a tiktoken vocabulary as ``tokenizer.json``)."""
     from nemo_spec.checkpoint.megatron import TOKENIZER_FILES
 
     it = _iter_dir(p)
     d = it / "tokenizer" if it is not None else None
-    return d if d is not None and any((d / f).is_file() for f in TOKENIZER_FILES) else None
+    if d is None or not any((d / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    kind = (_run_config(it).get("tokenizer") or {}).get("tokenizer_type")
+    if kind != "HuggingFaceTokenizer":
+        log.warning("%s holds a %s tokenizer's files, which nemo_spec does not read (Hugging Face tokenizers only); "
+                    "pass --tokenizer", d, kind)
+        return None
+    return d
 
 
 def load_bridge(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:

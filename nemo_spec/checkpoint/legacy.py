@@ -518,8 +518,8 @@ def _dist_sharded_state_dict(model: torch.nn.Module, ckpt_dir: Path) -> Dict[str
     from megatron.core.dist_checkpointing import ShardedObject
 
     meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
-    prefix = next((k[: -len("embedding.word_embeddings.weight")] for k in meta
-                   if k.endswith("embedding.word_embeddings.weight")), "")
+    prefix = next((k[: -len("embedding.word_embeddings.weight")] for k in meta  # the model's, not the optimizer's
+                   if k.endswith("embedding.word_embeddings.weight") and not k.startswith("optimizer.")), "")
     sd = model.sharded_state_dict()
     out: Dict[str, Any] = {}
     for name, v in sd.items():

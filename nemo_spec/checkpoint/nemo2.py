@@ -77,7 +77,7 @@ def _vocab_from_weights(wdir: Path, source: str) -> int:
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable checkpoint
         raise CheckpointError(f"{wdir}: cannot read the torch_dist metadata ({type(e).__name__}: {e})") from e
     for k, v in meta.items():
-        if k.endswith("embedding.word_embeddings.weight"):
+        if k.endswith("embedding.word_embeddings.weight") and not k.startswith("optimizer."):  # not Adam's copies
             return int(v.global_shape[0])
     raise CheckpointError(f"{wdir}: no embedding.word_embeddings.weight tensor (is {source} a GPT checkpoint?)")
 

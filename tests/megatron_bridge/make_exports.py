@@ -3,6 +3,10 @@ test-megatron-bridge): tiny GPTs built by its model providers (LlamaModelProvide
 scaling; Qwen3ModelProvider: QK layer norm), saved by ``training/model_load_save.py save_megatron_model`` (->
 ``training/checkpointing.py save_checkpoint``, torch_dist), each with the logits of Bridge's own forward (fp32).
 
+Also, with Bridge's own code: a LoRA fine-tune's checkpoint (``training/checkpointing.py save_checkpoint`` with
+``cfg.peft`` set: adapter weights only) and a checkpoint whose tokenizer assets are a TikTokenizer's
+(``save_tokenizer_assets``).
+
 Usage: python make_exports.py OUT_DIR    (OUT_DIR/<name>/ checkpoints, OUT_DIR/reference.pt)
 
 Bridge needs a GPU to run as shipped; what this driver changes to run it on CPU, none of which changes what is
@@ -13,7 +17,9 @@ written (the RNG state it stubs is not saved: save_rng is off in save_megatron_m
      HAVE_TE=False, so every layer is megatron-core's local implementation);
   2. run time: torch.cuda.get_rng_state (checkpointing.py:407, unconditional), current_device and synchronize
      (dist_checkpointing) answer for the CPU; the model-parallel CUDA RNG tracker forks only registered states;
-     the reference forward passes an explicit causal mask (megatron-core builds its default one on cuda).
+     the reference forward passes an explicit causal mask (megatron-core builds its default one on cuda);
+  3. LoRA: megatron.bridge.peft's HAVE_TE flags, set while the stub stood in, are reset to False (no Transformer
+     Engine layers exist to wrap).
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ def _import_bridge():
         from megatron.bridge.models.llama.llama_provider import LlamaModelProvider
         from megatron.bridge.models.qwen.qwen_provider import Qwen3ModelProvider
         from megatron.bridge.training.model_load_save import save_megatron_model
+        import megatron.bridge.peft.lora  # noqa: F401  (imports Transformer Engine at import time too)
     finally:
         for n in stubs:
             del sys.modules[n]
@@ -86,6 +93,62 @@ def _tokenizer(out: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(out))
     return out
+
+
+def _lora_checkpoint(out: Path, provider) -> None:
+    """A LoRA fine-tune's checkpoint as Bridge's save_checkpoint writes it (cfg.peft set: the adapters only)."""
+    import megatron.bridge.peft.lora as bridge_lora
+    import megatron.bridge.peft.utils as bridge_peft_utils
+    from megatron.bridge.training.checkpointing import save_checkpoint
+    from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
+    from megatron.bridge.training.state import GlobalState
+    from megatron.core.optimizer import OptimizerConfig
+
+    for mod in (bridge_peft_utils, bridge_lora):
+        if hasattr(mod, "HAVE_TE"):
+            mod.HAVE_TE = False
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
+                                               mixed_precision_wrapper=None)
+    lora = bridge_lora.LoRA(target_modules=["linear_qkv", "linear_proj"], dim=4, alpha=8)
+    model = lora(model, training=True)
+    state = GlobalState()
+    state.cfg = ConfigContainer(
+        model=provider, train=None, optimizer=OptimizerConfig(use_distributed_optimizer=False), ddp=None,
+        scheduler=None, dataset=None, logger=LoggerConfig(), tokenizer=None, peft=lora,
+        checkpoint=CheckpointConfig(async_save=False, save=str(out), save_optim=False, save_rng=False,
+                                    ckpt_format="torch_dist", pretrained_checkpoint="/ckpt/llama_base"))
+    state.train_state.step = 100
+    save_checkpoint(state=state, model=model, optimizer=None, opt_param_scheduler=None,
+                    num_floating_point_operations_so_far=0)
+    print("llama_lora: saved (LoRA adapters only)", flush=True)
+
+
+def _tiktoken_assets(src: Path, out: Path, provider) -> None:
+    """``src``'s weights with what save_checkpoint writes besides them for a run with a TikTokenizer: the run config
+    (cfg.to_yaml) and the tokenizer assets (save_tokenizer_assets: the vocabulary goes to ``tokenizer/tokenizer.json``,
+    a list of {rank, token_bytes, token_str}, not a Hugging Face tokenizer.json)."""
+    import base64
+    import json
+    import shutil
+
+    from megatron.bridge.training.checkpointing import save_tokenizer_assets
+    from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
+    from megatron.bridge.training.tokenizers.config import TokenizerConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    shutil.copytree(src, out)
+    vocab = out.parent / "tiktoken_vocab.json"
+    vocab.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(),
+                                  "token_str": chr(i)} for i in range(256)]))
+    tok = TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=str(vocab))
+    cfg = ConfigContainer(model=provider, train=None, optimizer=OptimizerConfig(use_distributed_optimizer=False),
+                          ddp=None, scheduler=None, dataset=None, logger=LoggerConfig(), tokenizer=tok,
+                          checkpoint=CheckpointConfig(save=str(out), ckpt_format="torch_dist"))
+    cfg.to_yaml(str(out / "iter_0000000" / "run_config.yaml"))
+    save_tokenizer_assets(object(), tok, str(out / "iter_0000000"))
+    print("llama_tiktoken: tokenizer assets", sorted(p.name for p in (out / "iter_0000000" / "tokenizer").iterdir()),
+          flush=True)
 
 
 def main() -> None:
@@ -136,6 +199,9 @@ def main() -> None:
                             hf_tokenizer_path=str(tok_dir) if with_tok else None)
         ref[name] = {"logits": logits.float(), "provider": f"{cls.__module__}.{cls.__name__}"}
         print(f"{name}: saved ({ref[name]['provider']}), logits {tuple(logits.shape)}", flush=True)
+    _lora_checkpoint(out / "llama_lora", Llama(**shape, **cpu))
+    _tiktoken_assets(out / "llama_tied", out / "llama_tiktoken",
+                     Llama(**shape, **cases["llama_tied"][1], **cpu))
     torch.save(ref, out / "reference.pt")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -89,3 +89,22 @@ def test_a_setting_the_layer_spec_lacks_is_refused_by_name(tmp_path):
     f.write_text(f.read_text().replace("  num_moe_experts: null\n", "  num_moe_experts: 4\n"))
     with pytest.raises(CheckpointError, match=r"mixture of experts \(config.num_moe_experts=4\)"):
         read_checkpoint_config(root)
+
+
+def test_a_lora_checkpoint_is_refused_naming_its_base():
+    # Bridge saves only the adapters when cfg.peft is set; the error said "no embedding.word_embeddings.weight
+    # tensor (is .../run_config.yaml a GPT checkpoint?)"
+    root = Path(EXPORTS) / "llama_lora"
+    assert detect_format(root) == "megatron_bridge"
+    with pytest.raises(CheckpointError, match=r"a PEFT checkpoint \(megatron\.bridge\.peft\.lora\.LoRA\).*adapter "
+                                              r"weights.*/ckpt/llama_base"):
+        load_model(root)
+
+
+def test_a_tokenizer_bridge_saved_for_another_library_is_not_offered(caplog):
+    # a TikTokenizer's vocabulary lands in tokenizer/tokenizer.json, which a Hugging Face loader failed on
+    # ("'str' object cannot be interpreted as an integer"); it is not returned as the checkpoint's tokenizer
+    root = Path(EXPORTS) / "llama_tiktoken"
+    assert (root / "iter_0000000" / "tokenizer" / "tokenizer.json").is_file()
+    assert find_tokenizer_dir(root) is None
+    assert "TikTokenizer" in caplog.text
