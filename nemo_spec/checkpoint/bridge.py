@@ -59,7 +59,7 @@ def model_config(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
         raise CheckpointConfigError(f"{source}: unsupported architecture: Llama 3 RoPE scaling and a sequence length "
                                     f"interpolation together (config.rope_scaling=True, "
                                     f"config.seq_len_interpolation_factor={c['seq_len_interpolation_factor']!r})")
-    cfg = nemo2.model_config_from_yaml(c, vocab, source, qk_layernorm=True)
+    cfg = nemo2.model_config_from_yaml(c, vocab, source)
     if not c.get("rope_scaling"):
         return cfg
     d = cfg.to_dict()

@@ -82,10 +82,10 @@ def _vocab_from_weights(wdir: Path, source: str) -> int:
     raise CheckpointError(f"{wdir}: no embedding.word_embeddings.weight tensor (is {source} a GPT checkpoint?)")
 
 
-def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str, qk_layernorm: bool = False) -> ModelConfig:
+def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
     """Map a NeMo GPTConfig (``model.yaml`` ``config:``) to a ModelConfig; unsupported features raise naming them.
-    ``qk_layernorm``: read megatron-core's per-head q/k norms (checked against Megatron Bridge's Qwen3 checkpoints;
-    NeMo 2's are refused, untested)."""
+    Qwen3's per-head q/k norms (``qk_layernorm``) are read (checked against NeMo 2.7.3's and Megatron Bridge's own
+    Qwen3 checkpoints)."""
     _, CheckpointConfigError = _errors()
 
     def unsupported(what: str, fld: str) -> Exception:
@@ -97,7 +97,7 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str, qk_layern
     refused = [("num_moe_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
                ("rotary_interleaved", "interleaved RoPE"),
                ("apply_residual_connection_post_layernorm", "post-norm residuals")]
-    for fld, what in refused + ([] if qk_layernorm else [("qk_layernorm", "QK layer norm")]):
+    for fld, what in refused:
         if c.get(fld):
             raise unsupported(what, fld)
     # settings megatron applies that the project spec does not have (e.g. MistralConfig7B's window_size [4096, 0]):

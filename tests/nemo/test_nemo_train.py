@@ -414,3 +414,71 @@ def test_nemo_checkpoint_attention_settings_the_spec_lacks_are_refused(first_run
     f.write_text(yaml.safe_dump(doc))
     with pytest.raises(CheckpointConfigError, match=rf"config\.{field}="):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_nemo_qwen_checkpoint_loads_with_exact_logits(tmp_path, family):
+    """NeMo's own llm.Qwen3Model (Qwen3Config: qk_layernorm=True, kv_channels apart from hidden/heads, RMSNorm
+    eps 1e-6, rotary_base 1e6, no qkv bias, tied embeddings) and llm.Qwen2Model (add_qkv_bias=True, untied),
+    trained a few steps and saved by llm.train, load in load_model with NeMo's own logits. Qwen3 was refused
+    ("QK layer norm (config.qk_layernorm=True)")."""
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+    import cpu_shims
+    from nemo_spec.checkpoint import load_model
+
+    cls, model_cls = {"qwen3": (llm.Qwen3Config, llm.Qwen3Model), "qwen2": (llm.Qwen2Config, llm.Qwen2Model)}[family]
+    tok = AutoTokenizer(str(tokenizer_dir(tmp_path)))
+    config = cls(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        kv_channels=16 if family == "qwen3" else None, seq_length=SEQ, init_method_std=0.05,
+        vocab_size=128, share_embeddings_and_output_weights=family == "qwen3", bf16=False,
+        params_dtype=torch.float32, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+        apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False)
+    assert config.qk_layernorm == (family == "qwen3") and config.add_qkv_bias == (family == "qwen2")
+    model = model_cls(config, tokenizer=tok)
+    trainer = nl.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
+        num_sanity_val_steps=0, val_check_interval=3, logger=False,
+        strategy=nl.MegatronStrategy(tensor_model_parallel_size=1, ckpt_async_save=False),
+        plugins=nl.MegatronMixedPrecision(precision="32"))
+    llm.train(model=model,
+              data=cpu_shims.mock_data(seq_length=SEQ, tokenizer=tok, micro_batch_size=2, global_batch_size=2,
+                                       num_workers=0, pin_memory=False),
+              trainer=trainer,
+              optim=nl.MegatronOptimizerModule(config=OptimizerConfig(optimizer="adam", lr=5e-3, clip_grad=0.0,
+                                                                      use_distributed_optimizer=False)),
+              log=nl.NeMoLogger(log_dir=str(tmp_path / "logs"), name="draft", use_datetime_version=False,
+                                ckpt=nl.ModelCheckpoint(save_last=True, every_n_train_steps=3, save_top_k=1,
+                                                        monitor="reduced_train_loss")),
+              tokenizer="data")
+    gpt = model.module
+    while hasattr(gpt, "module"):  # megatron DDP (and Float16Module) around NeMo's MCoreGPTModel
+        gpt = gpt.module
+    attn = gpt.decoder.layers[0].self_attention
+    if family == "qwen3":  # the q/k norms trained away from their initial ones: loading them is checked
+        assert not torch.equal(attn.q_layernorm.weight, torch.ones_like(attn.q_layernorm.weight))
+    else:
+        assert attn.linear_qkv.bias is not None
+    from nemo_spec.checkpoint import nemo2
+
+    m = nemo2.read_config(_last_checkpoint(tmp_path))["model"]  # the fields Qwen's NeMo configs set
+    assert {k: m[k] for k in ("qk_layernorm", "add_qkv_bias", "head_dim", "rope_theta", "norm_eps", "normalization",
+                              "tie_word_embeddings", "add_bias_linear", "activation", "vocab_size")} == dict(
+        qk_layernorm=family == "qwen3", add_qkv_bias=family == "qwen2", head_dim=16, rope_theta=1e6, norm_eps=1e-6,
+        normalization="RMSNorm", tie_word_embeddings=family == "qwen3", add_bias_linear=False, activation="swiglu",
+        vocab_size=128)
+    base = load_model(_last_checkpoint(tmp_path), base_only=True)
+    assert is_project_spec(base)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    gpt.eval()
+    with torch.no_grad():
+        want = foreign_forward(gpt, ids).logits  # NeMo's MCoreGPTModel forward
+        got = gpt_forward(base, ids).logits
+    print(f"{family}: max|diff|={(got - want).abs().max().item():.3g}")
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
