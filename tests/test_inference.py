@@ -209,6 +209,27 @@ def test_stop_strings_where_a_longer_output_decodes_without_them(llama):
     assert (spec_out.tokens, spec_out.text, spec_out.finish_reason) == (ar.tokens, ar.text, "stop")
 
 
+def test_stop_strings_deep_into_a_long_output(llama):
+    # past the first tokens a step decodes its prefixes' last tokens first (the whole output only on a hit there):
+    # a stop string 50 tokens in still ends AR and every multi-token method at the same token
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+
+    m, _ = llama
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tok.decoder = decoders.WordPiece(prefix="##")
+    out = generate(m, [PROMPTS[0]], SamplingParams(max_new_tokens=64), options={"ignore_eos": True})[0].tokens
+    k = next(i for i in range(50, 64) if f"w{out[i - 1]} w{out[i]}" not in tok.decode(out[:i]))
+    stop = f"w{out[k - 1]} w{out[k]}"  # first completed by token k
+    sp = SamplingParams(max_new_tokens=64, stop_strings=(stop,))
+    ar = generate(m, [PROMPTS[0]], sp, tokenizer=tok, options={"ignore_eos": True})[0]
+    assert (ar.tokens, ar.finish_reason) == (out[:k + 1], "stop") and stop not in ar.text
+    for method, draft in (("prompt_lookup", None), ("draft_model", _clone(m))):
+        spec_out = generate(m, [PROMPTS[0]], sp, method=method, draft_model=draft, tokenizer=tok,
+                            options={"num_draft_tokens": 4, "ignore_eos": True})[0]
+        assert (spec_out.tokens, spec_out.text, spec_out.finish_reason) == (ar.tokens, ar.text, "stop")
+
+
 def test_cache_reused_and_recreated(llama):
     m, ref = llama
     sp = SamplingParams(max_new_tokens=10)

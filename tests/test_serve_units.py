@@ -95,6 +95,34 @@ def test_incremental_decoder_continues_the_prompt(tok, chunk):
     assert dec.tokens == comp  # what usage counts: the generated tokens only
 
 
+def test_incremental_decoder_completes_a_character_the_prompt_cut(tok):
+    # a prompt of token ids cut inside a multi-byte character (SentencePiece byte fallback): its bytes decode to
+    # U+FFFD until the output completes the character; decoding after them cut the output's text by the length of the
+    # replacement characters ('x y' for '€ x y'); the cut character is the output's now, in the server and generate()
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from nemo_spec.inference.sampling import continuation_text
+
+    vocab = {"<unk>": 0, "\u2581abc": 1, "<0xE2>": 2, "<0x82>": 3, "<0xAC>": 4, "\u2581x": 5, "\u2581y": 6, "<s>": 7}
+    rust = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])  # Llama 2's decoder
+    bf = PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>")
+    for prompt, out in (([1, 2, 3], [4, 5, 6]), ([1, 2], [3, 4, 5, 6])):
+        assert bf.decode(prompt + out) == "abc€ x y"
+        for chunk in (1, 3):
+            dec = IncrementalDecoder(bf, (), prompt)
+            text = "".join(dec.add(out[i:i + chunk]) for i in range(0, len(out), chunk)) + dec.flush()
+            assert text == "€ x y" == continuation_text(bf, prompt, out), (prompt, chunk, text)
+    # a context of special tokens only (generate.py's empty prompt is [BOS]): skipped, as the server skips them, so
+    # the first word's space is stripped as at the start of a text (generate() kept "<s>" and printed " x y")
+    assert continuation_text(bf, [7], [5, 6]) == "x y" == served_text(bf, [7], [5, 6])
+    dec = IncrementalDecoder(bf, (), [7])
+    assert dec.add([5, 6]) + dec.flush() == "x y"
+
+
 # ------------------------------------------------------------------------------------------------ templates
 
 def test_chat_template_sources(tok, tmp_path):

@@ -242,6 +242,10 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
             return None
     if not p.is_dir():
         return None
+    from nemo_spec.checkpoint import bridge
+
+    if bridge.is_bridge_dir(p):  # its iteration directory's tokenizer/ may hold another library's files
+        return bridge.tokenizer_dir(p)
     for cand in (p / TOKENIZER_SUBDIR, p / "context" / "nemo_tokenizer", p):
         if cand.is_dir() and any((cand / f).is_file() for f in TOKENIZER_FILES):
             return cand
@@ -257,10 +261,6 @@ def find_tokenizer_dir(path: PathLike) -> Optional[Path]:
         from nemo_spec.checkpoint import nemo2
 
         return nemo2.tokenizer_dir(p)
-    if fmt == "megatron_bridge":
-        from nemo_spec.checkpoint import bridge
-
-        return bridge.tokenizer_dir(p)
     return None
 
 

@@ -161,7 +161,7 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     # plain transformers: 5.25 turned Hub kernels on by default (fetched at run time: none offline, and on GPU other
-    # kernels than the model code's); transformers >= 4.54 takes use_kernels
+    # kernels than the model code's); use_kernels and dtype= need transformers >= 4.56
     m = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
                                              use_kernels=False).to(device).eval()
     m.generation_config.eos_token_id = None  # same token budget as our ignore_eos runs

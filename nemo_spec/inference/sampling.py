@@ -96,12 +96,34 @@ class SamplingParams:
 TEXT_CONTEXT_TOKENS = 6
 
 
-def continuation_text(tokenizer: Any, prompt: Sequence[int], out: Sequence[int]) -> str:
-    """Text of ``out`` as the continuation of ``prompt`` (its last :data:`TEXT_CONTEXT_TOKENS` tokens)."""
+def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Generated text as the server returns it: special tokens skipped (vLLM's and transformers' pipeline default),
+    no clean-up of spaces (so that a longer output's text extends a shorter one's)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):  # the tokenizers library's own (cleans up no spaces)
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def text_context(tokenizer: Any, prompt: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """The prompt's last tokens to decode ahead of the output, split in two: the context proper, and the tokens at its
+    end that leave a character unfinished (a prompt of token ids cut inside a multi-byte character), which belong to
+    the output's text (their character is completed there)."""
     ctx = [int(t) for t in prompt[max(0, len(prompt) - TEXT_CONTEXT_TOKENS):]]
-    head = tokenizer.decode(ctx) if ctx else ""
-    full = tokenizer.decode(ctx + [int(t) for t in out])
-    return full[len(head):] if full.startswith(head) else tokenizer.decode(list(out))
+    cut = len(ctx)
+    while cut > 0 and decode_text(tokenizer, ctx[:cut]).endswith("\ufffd"):
+        cut -= 1
+    return ctx[:cut], ctx[cut:]
+
+
+def continuation_text(tokenizer: Any, prompt: Sequence[int], out: Sequence[int]) -> str:
+    """Text of ``out`` as the continuation of ``prompt`` (decoded after its last :data:`TEXT_CONTEXT_TOKENS` tokens),
+    as the server streams it."""
+    ctx, carried = text_context(tokenizer, prompt)
+    head = decode_text(tokenizer, ctx)
+    full = decode_text(tokenizer, ctx + carried + [int(t) for t in out])
+    return full[len(head):] if full.startswith(head) else decode_text(tokenizer, carried + [int(t) for t in out])
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -33,7 +33,8 @@ from nemo_spec.models.gpt import gather_vocab, gpt_forward, output_logits
 from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, pooled_cache,
                                         tau_of, peak_memory_bytes)
-from nemo_spec.inference.sampling import SamplingError, SamplingParams, continuation_text, row_generators
+from nemo_spec.inference.sampling import (SamplingError, SamplingParams, continuation_text, decode_text,
+                                          row_generators)
 from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
 from nemo_spec.inference.proposers.common import chain_block, last_valid
 from nemo_spec.inference.transfer import allowed_sync, h2d, tensor
@@ -535,11 +536,15 @@ class Session:
         row.seq.extend(toks)
         tk = self.tokenizer
         if sp.stop_strings and tk is not None and new:
-            # every prefix a one-token step would have decoded, in order: a decode is not always prefix-stable
-            # (clean_up_tokenization_spaces turns "a '" into "a'" once the next token arrives), so the whole chunk's
-            # text may no longer hold a stop string that one of its prefixes held, where AR stopped
+            # every prefix a one-token step would have decoded, in order: a decode is not always prefix-stable, so the
+            # whole chunk's text may no longer hold a stop string that one of its prefixes held, where AR stopped. A
+            # prefix's last tokens are decoded first (a stop string that appears at token k ends in the text token k
+            # changed; each character takes at most 4 tokens), and only a hit there decodes the whole prefix
             first = len(row.out) - len(new)
+            window = 16 + 4 * max(len(s) for s in sp.stop_strings)
             for k in range(first + 1, len(row.out) + 1):
+                if k > window and not any(s in decode_text(tk, row.out[k - window:k]) for s in sp.stop_strings):
+                    continue
                 text = continuation_text(tk, row.prompt, row.out[:k])
                 if any(s in text for s in sp.stop_strings):
                     # keep tokens only up to the one completing the stop string

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from nemo_spec.inference.sampling import TEXT_CONTEXT_TOKENS
+from nemo_spec.inference.sampling import decode_text, text_context
 from nemo_spec.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,16 @@ class IncrementalDecoder:
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.tokens: List[int] = []  # generated
         # the prompt's last tokens, decoded ahead of the generated ones: the text continues the prompt (sampling.py)
-        self._ids: List[int] = [int(t) for t in prompt[max(0, len(prompt) - TEXT_CONTEXT_TOKENS):]]
+        ctx, carried = text_context(tokenizer, prompt) if prompt else ([], [])
+        self._ids: List[int] = ctx + carried
         self.text = ""  # decoded so far (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned
         self._prefix = 0
-        self._read = len(self._ids)
+        self._read = len(ctx)
         self.stopped = False
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return decode_text(self.tokenizer, ids)
 
     def _advance(self) -> None:
         prefix_text = self._decode(self._ids[self._prefix:self._read])

@@ -107,4 +107,5 @@ def test_a_tokenizer_bridge_saved_for_another_library_is_not_offered(caplog):
     root = Path(EXPORTS) / "llama_tiktoken"
     assert (root / "iter_0000000" / "tokenizer" / "tokenizer.json").is_file()
     assert find_tokenizer_dir(root) is None
+    assert find_tokenizer_dir(root / "iter_0000000") is None  # the iteration directory itself too
     assert "TikTokenizer" in caplog.text

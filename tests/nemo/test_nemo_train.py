@@ -59,8 +59,9 @@ class Record(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
 
 
-def build(tmp: Path, max_steps: int, resume: bool = False, save_optim_on_train_end: bool = True):
-    """(namespace for the README snippet, Record callback): tiny Llama model, mock data, CPU trainer."""
+def build(tmp: Path, max_steps: int, resume: bool = False, save_optim_on_train_end: bool = True, model_fn=None):
+    """(namespace for the README snippet, Record callback): tiny Llama model (or ``model_fn(tokenizer)``), mock data,
+    CPU trainer."""
     from nemo import lightning as nl
     from nemo.collections import llm
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
@@ -86,7 +87,7 @@ def build(tmp: Path, max_steps: int, resume: bool = False, save_optim_on_train_e
         strategy=nl.MegatronStrategy(tensor_model_parallel_size=1, ckpt_async_save=False),
         plugins=nl.MegatronMixedPrecision(precision="32"))
     ns = dict(
-        model=llm.LlamaModel(config, tokenizer=tok),
+        model=model_fn(tok) if model_fn is not None else llm.LlamaModel(config, tokenizer=tok),
         data=cpu_shims.mock_data(seq_length=SEQ, tokenizer=tok, micro_batch_size=2, global_batch_size=2,
                                  num_workers=0, pin_memory=False),
         trainer=trainer,
@@ -422,16 +423,11 @@ def test_nemo_qwen_checkpoint_loads_with_exact_logits(tmp_path, family):
     eps 1e-6, rotary_base 1e6, no qkv bias, tied embeddings) and llm.Qwen2Model (add_qkv_bias=True, untied),
     trained a few steps and saved by llm.train, load in load_model with NeMo's own logits. Qwen3 was refused
     ("QK layer norm (config.qk_layernorm=True)")."""
-    from megatron.core.optimizer import OptimizerConfig
-    from nemo import lightning as nl
     from nemo.collections import llm
-    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
 
-    import cpu_shims
     from nemo_spec.checkpoint import load_model
 
     cls, model_cls = {"qwen3": (llm.Qwen3Config, llm.Qwen3Model), "qwen2": (llm.Qwen2Config, llm.Qwen2Model)}[family]
-    tok = AutoTokenizer(str(tokenizer_dir(tmp_path)))
     config = cls(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
         kv_channels=16 if family == "qwen3" else None, seq_length=SEQ, init_method_std=0.05,
@@ -441,22 +437,10 @@ def test_nemo_qwen_checkpoint_loads_with_exact_logits(tmp_path, family):
         persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False)
     assert config.qk_layernorm == (family == "qwen3") and config.add_qkv_bias == (family == "qwen2")
-    model = model_cls(config, tokenizer=tok)
-    trainer = nl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-        num_sanity_val_steps=0, val_check_interval=3, logger=False,
-        strategy=nl.MegatronStrategy(tensor_model_parallel_size=1, ckpt_async_save=False),
-        plugins=nl.MegatronMixedPrecision(precision="32"))
-    llm.train(model=model,
-              data=cpu_shims.mock_data(seq_length=SEQ, tokenizer=tok, micro_batch_size=2, global_batch_size=2,
-                                       num_workers=0, pin_memory=False),
-              trainer=trainer,
-              optim=nl.MegatronOptimizerModule(config=OptimizerConfig(optimizer="adam", lr=5e-3, clip_grad=0.0,
-                                                                      use_distributed_optimizer=False)),
-              log=nl.NeMoLogger(log_dir=str(tmp_path / "logs"), name="draft", use_datetime_version=False,
-                                ckpt=nl.ModelCheckpoint(save_last=True, every_n_train_steps=3, save_top_k=1,
-                                                        monitor="reduced_train_loss")),
+    ns, _ = build(tmp_path, STEPS, model_fn=lambda tok: model_cls(config, tokenizer=tok))
+    llm.train(model=ns["model"], data=ns["data"], trainer=ns["trainer"], optim=ns["optim"], log=ns["log"],
               tokenizer="data")
+    model = ns["model"]
     gpt = model.module
     while hasattr(gpt, "module"):  # megatron DDP (and Float16Module) around NeMo's MCoreGPTModel
         gpt = gpt.module
