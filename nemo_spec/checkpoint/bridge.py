@@ -10,10 +10,9 @@ Layout (as Megatron Bridge 0.3.1 writes it, megatron/bridge/training/checkpointi
                                                sharded state dict, TE norm names ``linear_qkv.layer_norm_weight``)
     <root>/iter_NNNNNNN/tokenizer/             the tokenizer files (``save_tokenizer_assets``, on by default)
 
-The architecture comes from ``run_config.yaml`` through the NeMo 2 mapping (same field names; anything nemo_spec's
-layer spec cannot represent is refused, naming the field), plus the provider's own RoPE switch (``rope_scaling`` +
-``rope_scaling_factor``, passed to megatron-core's RotaryEmbedding, which applies Llama 3's scaling with its fixed
-low/high frequency factors 1 / 4 and original length 8192); the padded vocabulary from the weights' metadata;
+The architecture comes from ``run_config.yaml`` through the NeMo 2 mapping (same field names, and the provider's own
+RoPE switch ``rope_scaling`` + ``rope_scaling_factor``; anything nemo_spec's layer spec cannot represent is refused,
+naming the field); the padded vocabulary from the weights' metadata;
 weights load at any TP size through ``dist_checkpointing``.
 """
 from __future__ import annotations
@@ -23,8 +22,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-
-from nemo_spec.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +47,6 @@ def is_bridge_dir(p: Path) -> bool:
         return False
 
 
-def model_config(c: Dict[str, Any], vocab: int, source: str) -> ModelConfig:
-    """The provider fields (``run_config.yaml`` ``model:``) as a ModelConfig."""
-    from nemo_spec.checkpoint import nemo2
-    from nemo_spec.checkpoint.megatron import CheckpointConfigError
-
-    if c.get("rope_scaling") and c.get("seq_len_interpolation_factor"):
-        raise CheckpointConfigError(f"{source}: unsupported architecture: Llama 3 RoPE scaling and a sequence length "
-                                    f"interpolation together (config.rope_scaling=True, "
-                                    f"config.seq_len_interpolation_factor={c['seq_len_interpolation_factor']!r})")
-    cfg = nemo2.model_config_from_yaml(c, vocab, source)
-    if not c.get("rope_scaling"):
-        return cfg
-    d = cfg.to_dict()
-    # megatron-core RotaryEmbedding(rope_scaling=True, rope_scaling_factor=f) -> _apply_scaling(inv_freq, factor=f)
-    # with its defaults low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192
-    d["rope_scaling"] = {"rope_type": "llama3", "factor": float(c.get("rope_scaling_factor", 8.0)),
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    try:
-        return ModelConfig.from_dict(d, source=source)
-    except Exception as e:  # noqa: BLE001 - a config error names the file
-        raise CheckpointConfigError(f"{source}: {e}") from e
-
-
 def _run_config(it: Path) -> Dict[str, Any]:
     from nemo_spec.checkpoint import nemo2
 
@@ -96,10 +70,8 @@ def read_config(p: Path) -> Dict[str, Any]:
             f"{source}: a PEFT checkpoint ({nemo2._target(peft) or peft}): Megatron Bridge saved only the adapter "
             f"weights; load the base it was trained on ({base or 'checkpoint.pretrained_checkpoint'}) or a checkpoint "
             f"with the adapters merged into the base")
-    cfg = model_config(c, nemo2._vocab_from_weights(it, source), source)
-    dtype = nemo2._target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
-    return {"format": FORMAT, "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
-            "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
+    cfg = nemo2.model_config_from_yaml(c, nemo2._vocab_from_weights(it, source), source)
+    return {"format": FORMAT, "model": cfg.to_dict(), **nemo2.saved_settings(c), "source": source,
             "target": nemo2._target(c), "iter_dir": str(it)}
 
 
@@ -123,17 +95,13 @@ def tokenizer_dir(p: Path) -> Optional[Path]:
 def load_bridge(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     """Load a Megatron Bridge checkpoint's GPTModel at the current TP (any saved TP)."""
     from nemo_spec.checkpoint import legacy
-    from nemo_spec.checkpoint.megatron import (
-        _DTYPES, _ensure_parallel, _target_tp, build_for_checkpoint, check_tp, load_dist_into,
-    )
+    from nemo_spec.checkpoint.megatron import _ensure_parallel, build_for_checkpoint, checkpoint_target, load_dist_into
 
     info = read_config(p)
     source, it = info["source"], Path(info["iter_dir"])
-    cfg = ModelConfig.from_dict(info["model"], source=source)
-    tp = _target_tp(tp_size)
-    check_tp(cfg, tp, source)
+    cfg, tp, dtype = checkpoint_target(info, tp_size, dtype)
     _ensure_parallel(tp)
-    model = build_for_checkpoint(cfg, None, dtype or _DTYPES.get(info["params_dtype"], torch.float32), source)
+    model = build_for_checkpoint(cfg, None, dtype, source)
     load_dist_into(model, it, source, sharded_sd=legacy._dist_sharded_state_dict(model, it))
     log.info("loaded Megatron Bridge checkpoint %s (%s, saved tp=%d) at tp=%d", it, info["target"],
              info["tp_size_saved"], tp)

@@ -34,10 +34,8 @@ from nemo_spec.checkpoint.megatron import (
     CheckpointConfigError,
     CheckpointError,
     DIST_METADATA,
-    _DTYPES,
     _ensure_parallel,
-    _target_tp,
-    check_tp,
+    checkpoint_target,
     load_dist_into,
 )
 from nemo_spec.config import ConfigError, ModelConfig
@@ -546,11 +544,7 @@ def load_megatron_lm(path: Path, tp_size: Optional[int] = None, dtype: Optional[
     lay = locate(Path(path))
     info = read_config(Path(path))
     source = info["source"]
-    cfg = ModelConfig.from_dict(info["model"], source=source)
-    tp = _target_tp(tp_size)
-    check_tp(cfg, tp, source)
-    if dtype is None:
-        dtype = _DTYPES.get(str(info.get("params_dtype")), torch.float32)
+    cfg, tp, dtype = checkpoint_target(info, tp_size, dtype)
     _ensure_parallel(tp)
     model = build_gpt(cfg, params_dtype=dtype)
     if lay.kind == "megatron_legacy":

@@ -19,7 +19,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -476,6 +476,17 @@ def _ensure_parallel(tp: int, ep: Optional[int] = None) -> None:
             parallel.initialize(tensor_parallel_size=tp, expert_parallel_size=ep)
         except ValueError as e:
             raise CheckpointConfigError(f"cannot load at tp_size={tp}, ep_size={ep}: {e}") from e
+
+
+def checkpoint_target(info: Dict[str, Any], tp_size: Optional[int], dtype: Optional[torch.dtype]
+                      ) -> Tuple[ModelConfig, int, torch.dtype]:
+    """For a reader's ``read_config`` result: its ModelConfig, the TP size to load at (checked against it) and the
+    dtype to build in (default: the saved ``params_dtype``, float32 when unknown)."""
+    source = info["source"]
+    cfg = ModelConfig.from_dict(info["model"], source=source)
+    tp = _target_tp(tp_size)
+    check_tp(cfg, tp, source)
+    return cfg, tp, dtype or _DTYPES.get(str(info.get("params_dtype")), torch.float32)
 
 
 def build_for_checkpoint(cfg: ModelConfig, spec: Optional[SpeculativeConfig], dtype: torch.dtype,

@@ -68,6 +68,12 @@ def _target(v: Any) -> str:
     return str(v.get("_target_", "")) if isinstance(v, dict) else str(v or "")
 
 
+def saved_settings(c: Dict[str, Any]) -> Dict[str, Any]:
+    """The parameter dtype and TP size a GPTConfig / model provider (``c``) was saved with."""
+    dtype = _target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
+    return {"params_dtype": dtype.replace("torch.", ""), "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1)}
+
+
 def _vocab_from_weights(wdir: Path, source: str) -> int:
     from megatron.core import dist_checkpointing
 
@@ -127,11 +133,20 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
     else:
         raise unsupported(f"activation {act_name or c.get('activation_func')!r}", "activation_func")
     rope_scaling = None
+    if c.get("rope_scaling") and c.get("seq_len_interpolation_factor"):
+        raise unsupported("Llama 3 RoPE scaling (config.rope_scaling=True) and a sequence length interpolation together",
+                          "seq_len_interpolation_factor")
     if "scale_factor" in c and "old_context_len" in c:  # Llama31Config and subclasses (llama.py apply_rope_scaling)
         rope_scaling = {"rope_type": "llama3", "factor": float(c["scale_factor"]),
                         "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
                         "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
                         "original_max_position_embeddings": int(c["old_context_len"])}
+    elif c.get("rope_scaling"):
+        # Megatron Bridge's providers: megatron-core's own switch, RotaryEmbedding(rope_scaling=True,
+        # rope_scaling_factor=f) -> _apply_scaling(inv_freq, factor=f) with its defaults low_freq_factor=1,
+        # high_freq_factor=4, original_max_position_embeddings=8192
+        rope_scaling = {"rope_type": "llama3", "factor": float(c.get("rope_scaling_factor", 8.0)),
+                        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     elif c.get("seq_len_interpolation_factor"):
         rope_scaling = {"rope_type": "linear", "factor": float(c["seq_len_interpolation_factor"])}
     learned = pos == "learned_absolute"
@@ -183,11 +198,9 @@ def read_config(p: Path) -> Dict[str, Any]:
     source = str(p / "context" / "model.yaml")
     c = doc["config"]
     cfg = model_config_from_yaml(c, _vocab_from_weights(p / "weights", source), source)
-    dtype = _target(c.get("params_dtype")) or ("torch.bfloat16" if c.get("bf16") else "torch.float32")
     drafts = draft_modules(p / "weights")
-    out = {"format": "nemo2", "model": cfg.to_dict(), "params_dtype": dtype.replace("torch.", ""),
-           "tp_size_saved": int(c.get("tensor_model_parallel_size") or 1), "source": source,
-           "target": _target(doc), "draft_modules": drafts}
+    out = {"format": "nemo2", "model": cfg.to_dict(), **saved_settings(c), "source": source, "target": _target(doc),
+           "draft_modules": drafts}
     if drafts:
         spec = recorded_draft(p / "weights", cfg, source)
         if spec is not None:
@@ -229,17 +242,11 @@ def load_nemo2(p: Path, tp_size: Optional[int] = None, dtype: Optional[torch.dty
     SpeculativeGPT) when the checkpoint holds a draft trained with nemo_spec's NeMo integration (its settings
     recorded in the common state) and ``base_only`` is False."""
     from nemo_spec.checkpoint import legacy
-    from nemo_spec.checkpoint.megatron import (
-        _DTYPES, _ensure_parallel, _target_tp, build_for_checkpoint, check_tp, load_dist_into,
-    )
+    from nemo_spec.checkpoint.megatron import _ensure_parallel, build_for_checkpoint, checkpoint_target, load_dist_into
 
     info = read_config(p)
     source = info["source"]
-    cfg = ModelConfig.from_dict(info["model"], source=source)
-    tp = _target_tp(tp_size)
-    check_tp(cfg, tp, source)
-    if dtype is None:
-        dtype = _DTYPES.get(info["params_dtype"], torch.float32)
+    cfg, tp, dtype = checkpoint_target(info, tp_size, dtype)
     wdir = p / "weights"
     drafts = info["draft_modules"]
     spec = None
