@@ -47,15 +47,20 @@ class IncrementalDecoder:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
-        self.tokens: List[int] = []  # generated
         # the prompt's last tokens, decoded ahead of the generated ones: the text continues the prompt (sampling.py)
         ctx, carried = text_context(tokenizer, prompt) if prompt else ([], [])
-        self._ids: List[int] = ctx + carried
+        self._ids: List[int] = ctx + carried  # then the generated tokens
+        self._start = len(self._ids)
         self.text = ""  # decoded so far (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned
         self._prefix = 0
         self._read = len(ctx)
         self.stopped = False
+
+    @property
+    def tokens(self) -> List[int]:
+        """The generated tokens added so far."""
+        return self._ids[self._start:]
 
     def _decode(self, ids: Sequence[int]) -> str:
         return decode_text(self.tokenizer, ids)
@@ -83,14 +88,12 @@ class IncrementalDecoder:
             return ""
         before_text = len(self.text)
         if not self.stop:  # no stop strings: one incremental decode for the whole chunk
-            self.tokens.extend(int(t) for t in ids)
             self._ids.extend(int(t) for t in ids)
             self._advance()
             delta = self.text[self.emitted:]
             self.emitted = len(self.text)
             return delta
         for t in ids:  # one token at a time so a stop string is caught at the token that completes it
-            self.tokens.append(int(t))
             self._ids.append(int(t))
             self._advance()
             if self.stop and len(self.text) > before_text:
