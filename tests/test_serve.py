@@ -124,6 +124,39 @@ def test_chat_greedy_equals_generate_with_tokenizer_template(server, ref, tok):
     assert out.usage.completion_tokens == expected_usage(res)
 
 
+def test_chat_extensions_as_vllm(server, ref, tok):
+    """vLLM's chat extensions (vllm 0.34.0 entrypoints/openai/chat_completion/protocol.py:327-388) were accepted and
+    ignored: continue_final_message closed the assistant turn, echo did nothing, chat_template_kwargs never reached
+    the template, several text parts were glued without their newline (chat_message.py:419)."""
+    c = client(server)
+    conv = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    text = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)  # transformers, as vLLM
+    ids = tok(text, add_special_tokens=False).input_ids
+    res = greedy(ref, tok, ids, 8)
+    for echo in (False, True):
+        out = c.chat.completions.create(model="tiny", messages=conv, max_tokens=8, temperature=0,
+                                        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                    "echo": echo})
+        assert out.usage.prompt_tokens == len(ids)
+        assert out.choices[0].message.content == ("sat on" if echo else "") + served_text(tok, ids, res.tokens)
+        chunks = list(c.chat.completions.create(model="tiny", messages=conv, max_tokens=8, temperature=0, stream=True,
+                                                extra_body={"continue_final_message": True, "echo": echo,
+                                                            "add_generation_prompt": False}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == out.choices[0].message.content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat on"}]}]
+    out = c.chat.completions.create(model="tiny", messages=parts, max_tokens=1)
+    assert out.usage.prompt_tokens == len(chat_ids(tok, [{"role": "user", "content": "the cat\nsat on"}]))
+    for bad, param in ((dict(extra_body={"continue_final_message": True}), "continue_final_message"),
+                       (dict(stream_options={"include_usage": True}), "stream_options"),
+                       (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+                        "stream_options"),
+                       (dict(tool_choice="required"), "tool_choice"),
+                       (dict(extra_body={"chat_template_kwargs": {"tokenize": True}}), "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=conv, max_tokens=1, **bad)
+        assert e.value.body["param"] == param, bad
+
+
 def test_streaming_matches_non_streaming(server, ref, tok):
     c = client(server)
     p, ids, res, text = long_output(ref, tok)

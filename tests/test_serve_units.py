@@ -165,6 +165,79 @@ def test_chat_template_is_sandboxed(tok, evil):
         ChatTemplate.for_tokenizer(tok, evil)
 
 
+# templates written the way real models' are: what each renders to is what transformers' own apply_chat_template
+# (which vLLM 0.34.0 renders with: renderers/hf.py:920-925) gives for the same messages
+REAL_WORLD_TEMPLATES = {
+    "strftime_now": "{{ bos_token }}Today: {{ strftime_now('%Y-%m-%d') }}{% for m in messages %}[{{ m['role'] }}]"
+                    "{{ m['content'] }}{% endfor %}",  # Mistral-Small-3.1: unguarded
+    "loop_break": "{% for m in messages %}{% if m['role'] == 'system' %}{% break %}{% endif %}{{ m['content'] }}"
+                  "{% endfor %}",
+    "tools_none": "{% if tools is not none %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                  "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}",
+    "special_tokens": "{{ unk_token }}|{{ pad_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "trailing_newline": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{{ eos_token }}\n",
+    "generation_block": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                        "{{ eos_token }}{% endgeneration %}{% else %}<{{ m['role'] }}>{{ m['content'] }}{% endif %}"
+                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    "tool_calls": "{% for m in messages %}<{{ m['role'] }}>{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
+                  "{{ c.function.name }}({{ c.function.arguments.x }}){% endfor %}{% endif %}{% if m.tool_call_id is "
+                  "defined %}#{{ m.tool_call_id }}{% endif %}{{ m['content'] }}{% endfor %}",
+    "thinking": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                "{% endif %}",
+    "developer": "{% for m in messages %}{% if m['role'] == 'developer' %}(dev){% endif %}{{ m['content'] }}"
+                 "{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_WORLD_TEMPLATES))
+def test_chat_templates_render_as_transformers(tok, name):
+    """Each template renders as transformers renders it (was: strftime_now and {% break %} failed to load, tools
+    rendered as [], unk/pad tokens empty, trailing newlines kept, {% generation %} refused), through the server's
+    ChatTemplate and through the environment used for tokenizers without apply_chat_template."""
+    from nemo_spec.data.chat import _render_own
+    from nemo_spec.serve.chat_template import messages_to_dicts
+    from nemo_spec.serve.protocol import ChatMessage
+
+    src = REAL_WORLD_TEMPLATES[name]
+    wire = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 3}'}}]},
+            {"role": "tool", "content": "3", "tool_call_id": "c1"}, {"role": "user", "content": "more"}]
+    msgs = messages_to_dicts([ChatMessage.model_validate(m) for m in wire])
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"x": 3}  # JSON text -> object, as vLLM passes it
+    ours = ChatTemplate.for_tokenizer(tok, src)
+    ref_msgs = [dict(m) for m in msgs]
+    for gen in (True, False):
+        want = tok.apply_chat_template(ref_msgs, chat_template=src, tokenize=False, add_generation_prompt=gen)
+        assert ours.render(msgs, gen) == want
+        assert _render_own(tok, src, [dict(m) for m in msgs], gen, False, {}) == want
+    if name == "thinking":  # chat_template_kwargs reach the template; names it does not read are dropped
+        want = tok.apply_chat_template(ref_msgs, chat_template=src, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+        assert want.endswith("<think></think>")
+        assert ours.render(msgs, True, template_kwargs={"enable_thinking": False, "unused": 1}) == want
+    if name == "developer":  # a template that knows the developer role gets it as is (vLLM: hf.py:607-608)
+        dev = [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+        assert ours.render(dev, False) == "(dev)du"
+
+
+def test_chat_template_developer_role_and_continue_final_message(tok):
+    own = ChatTemplate.for_tokenizer(tok)  # <role>content</s>: names no developer role
+    # developer -> system, all system messages merged at the front (vLLM 0.34.0 renderers/hf.py:611-663)
+    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "u"}, {"role": "developer", "content": "b"}]
+    assert own.render(msgs, False) == "<system>a\n\nb</s><user>u</s>"
+    # continue_final_message: the last message is left open, as transformers renders it
+    conv = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    want = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert want == "<user>the cat</s><assistant>sat on"
+    assert own.render(conv, False, continue_final_message=True) == want
+    from nemo_spec.data.chat import _render_own
+    assert _render_own(tok, own.source, [dict(m) for m in conv], False, True, {}) == want
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        own.render(conv, True, continue_final_message=True)
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 
 def test_prometheus_text():
@@ -257,7 +330,8 @@ def test_request_models():
     r = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "stop": "x", "unknown_field": 1})
-    assert r.messages[0].text() == "ab" and r.stop_list() == ["x"] and r.n == 1
+    # text parts are joined with newlines, as vLLM joins them (vllm 0.34.0 renderers/chat_utils/chat_message.py:419)
+    assert r.messages[0].text() == "a\nb" and r.stop_list() == ["x"] and r.n == 1
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
                                               "stop": ["a", "b", "c", "d", "e"]})

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -67,13 +68,37 @@ def _raise(msg: str) -> None:
     raise ChatTemplateError(msg)
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str) -> Any:
+def template_environment() -> Any:
+    """A sandboxed jinja environment with what transformers adds for chat templates: ``trim_blocks`` /
+    ``lstrip_blocks``, loop controls, the ``{% generation %}`` block (rendered as its body)."""
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    class _Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[_Generation, jinja2.ext.loopcontrols])
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    """The template in the environment transformers renders chat templates in (``chat_template_utils.py``:
+    sandboxed, ``trim_blocks``/``lstrip_blocks``, loop controls, ``{% generation %}``, ``raise_exception``, ``strftime_now``, a ``tojson``
+    that does not escape HTML); used for tokenizers without transformers' ``apply_chat_template``."""
+    env = template_environment()
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
 
 
@@ -85,17 +110,55 @@ def chat_template_of(tokenizer: Any) -> str:
     return t if isinstance(t, str) and t.strip() else DEFAULT_CHAT_TEMPLATE
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = False,
-                template: Optional[str] = None) -> str:
-    """Render OpenAI-style messages to text with the (sandboxed) jinja chat template."""
-    tpl = _compile(template or chat_template_of(tokenizer))
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _render_own(tokenizer: Any, template: str, messages: List[Dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool, kwargs: Dict[str, Any]) -> str:
+    """What transformers' ``render_jinja_template`` does, for a tokenizer object without it."""
+    specials = {k: str(v) for k in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                                    "mask_token") if (v := getattr(tokenizer, k, None)) is not None}
+    final = None
+    if continue_final_message:
+        final = messages[-1].get("content")
+        if not isinstance(final, str):
+            raise ChatTemplateError("continue_final_message is set but the final message has no text content")
+        messages = messages[:-1] + [dict(messages[-1], content=final + _CONTINUE_TAG)]
+    text = _compile(template).render(**{"bos_token": "", "eos_token": "", **specials, "messages": messages,
+                                        "tools": None, "documents": None, **kwargs,
+                                        "add_generation_prompt": add_generation_prompt})
+    if final is not None:
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise ChatTemplateError("continue_final_message is set but the final message does not appear in the "
+                                    "rendered chat (the template changes it)")
+        at = text.rindex(tag)
+        text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+    return text
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Dict[str, Any]], add_generation_prompt: bool = False,
+                template: Optional[str] = None, continue_final_message: bool = False,
+                **template_kwargs: Any) -> str:
+    """Render OpenAI-style messages to text with the (sandboxed) jinja chat template, as vLLM does: through the
+    tokenizer's own ``apply_chat_template`` (transformers: its special tokens, ``tools``/``documents``, extra
+    ``template_kwargs``, ``continue_final_message`` leaving the last message open)."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set: the first "
+                                "continues the last message, the second opens a new assistant turn")
+    if continue_final_message and not messages:
+        raise ChatTemplateError("continue_final_message is set but there are no messages")
+    source = template or chat_template_of(tokenizer)
+    msgs = [dict(m) for m in messages]
     try:
-        return tpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                          bos_token=getattr(tokenizer, "bos_token", None) or "",
-                          eos_token=getattr(tokenizer, "eos_token", None) or "")
+        if callable(getattr(tokenizer, "apply_chat_template", None)):
+            return tokenizer.apply_chat_template(msgs, chat_template=source, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **template_kwargs)
+        return _render_own(tokenizer, source, msgs, add_generation_prompt, continue_final_message, template_kwargs)
     except ChatTemplateError:
         raise
-    except Exception as e:  # jinja errors of many kinds
+    except Exception as e:  # jinja errors of many kinds (raise_exception's among them); transformers' ValueErrors
         raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
 
 

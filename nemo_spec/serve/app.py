@@ -190,8 +190,9 @@ def _encode(served: ServedModel, text: str, add_special_tokens: bool) -> List[in
 def _chat_prompt(served: ServedModel, req: P.ChatCompletionRequest) -> List[int]:
     """Render the chat template and tokenize (runs in a worker thread)."""
     try:
-        text = served.template.render(messages_to_dicts(req.messages), req.add_generation_prompt)
-    except ChatTemplateError as e:
+        text = served.template.render(messages_to_dicts(req.messages), req.add_generation_prompt,
+                                      req.continue_final_message, req.documents, req.chat_template_kwargs)
+    except (ChatTemplateError, ValueError) as e:
         raise P.invalid(str(e), "messages") from e
     return _encode(served, text, add_special_tokens=False)
 
@@ -472,16 +473,23 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                                         "messages")
         job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
         rid, created = P.new_id("chatcmpl"), P.now()
+        # echo (vLLM's extension): the reply starts with the last message when it is the assistant's (vllm 0.34.0
+        # entrypoints/openai/chat_completion/serving.py:649-662, 1091-1100)
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == "assistant" else ""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                      "logprobs": None} for i in range(job.num_choices)]
+            first = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                       "logprobs": None} for i in range(job.num_choices)]]
+            if echo:
+                first.append([{"index": i, "delta": {"content": echo}, "finish_reason": None, "logprobs": None}
+                              for i in range(job.num_choices)])
             return StreamingResponse(_stream(job, {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                                   "model": req.model}, True, include_usage, [first]),
+                                                   "model": req.model}, True, include_usage, first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await collect(job, request):
             return Response(status_code=499)
-        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=job.texts[i]),
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=echo + job.texts[i]),
                                 finish_reason=job.finish[i]) for i in range(job.num_choices)]
         resp = P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
         return JSONResponse(resp.model_dump())

@@ -107,6 +107,11 @@ class _Request(BaseModel):
             raise invalid("frequency_penalty is not supported by this server (use 0)", "frequency_penalty")
         if self.logit_bias:
             raise invalid("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:  # as vLLM (chat protocol.py:862-870)
+            raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise invalid("stream_options.continuous_usage_stats (usage on every chunk) is not supported by this "
+                          "server; include_usage sends it once, at the end", "stream_options")
         for name, value in (self.model_extra or {}).items():
             if name in VLLM_EXTENSIONS_OFF and value is not None and value != VLLM_EXTENSIONS_OFF[name]:
                 off = VLLM_EXTENSIONS_OFF[name]
@@ -115,27 +120,33 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """stream_options: include_usage adds a final chunk carrying usage."""
+    """stream_options: include_usage adds a final chunk carrying usage (vLLM's continuous_usage_stats, usage on
+    every chunk, is refused)."""
 
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(BaseModel):
-    """A text content part of a chat message."""
+    """A text content part of a chat message (the Responses API's input_text / output_text too, as vLLM reads
+    them: vllm 0.34.0 renderers/chat_utils/chat_message.py:104-106)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts."""
+    """One chat message; content is a string or a list of text parts (joined with newlines, as vLLM:
+    chat_message.py:419); an assistant's tool_calls and a tool message's tool_call_id reach the template."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         """The message content as plain text."""
@@ -143,7 +154,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Request):
@@ -155,7 +166,13 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[List[Dict[str, Any]]] = None
     response_format: Optional[Dict[str, Any]] = None
-    add_generation_prompt: bool = True  # extension (vLLM-style)
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    # extensions (vLLM's, same meaning: vllm 0.34.0 entrypoints/openai/chat_completion/protocol.py:327-388)
+    echo: bool = False  # the reply starts with the last message's content when that is an assistant message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open and continued
+    documents: Optional[List[Dict[str, Any]]] = None  # passed to the template (RAG templates)
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra template variables (e.g. enable_thinking)
     chat_template: Optional[str] = None  # not accepted from clients; see check_supported
 
     def check_supported(self) -> None:
@@ -170,8 +187,16 @@ class ChatCompletionRequest(_Request):
             raise invalid("tools are not supported by this server", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise invalid("only response_format type 'text' is supported", "response_format")
+        if self.tool_choice not in (None, "none") and not self.tools:  # as vLLM (protocol.py:999-1006)
+            raise invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
         if self.chat_template is not None:
             raise invalid("chat_template cannot be set per request; configure it on the server", "chat_template")
+        if self.continue_final_message and self.add_generation_prompt:  # as vLLM (protocol.py:1065-1070)
+            raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True (send "
+                          "add_generation_prompt=false to continue the last message)", "continue_final_message")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & {"chat_template", "tokenize"})
+        if reserved:  # as vLLM (renderers/hf.py:818-825)
+            raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
     def effective_max_tokens(self) -> Optional[int]:
         """max_completion_tokens, else max_tokens."""
