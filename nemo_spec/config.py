@@ -121,6 +121,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # every id that ends generation when a checkpoint lists several (Llama 3's generation_config.json: end of text,
+    # of message, of turn); None -> just eos_token_id
+    eos_token_ids: Optional[List[int]] = None
     pad_token_id: Optional[int] = None
     qk_layernorm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     num_moe_experts: Optional[int] = None  # None -> a dense MLP in every layer; else a MoE MLP in every layer
@@ -169,6 +172,11 @@ class ModelConfig:
                f"num_query_groups ({self.num_query_groups})")
         _check(self.rope_scaling is None or isinstance(self.rope_scaling, dict),
                f"ModelConfig.rope_scaling must be a mapping or None, got {self.rope_scaling!r}")
+        if self.eos_token_ids is not None:
+            _check(isinstance(self.eos_token_ids, (list, tuple)) and all(
+                _is_int(i) and 0 <= i < self.vocab_size for i in self.eos_token_ids),
+                f"ModelConfig.eos_token_ids must be a list of token ids in [0, {self.vocab_size}), got "
+                f"{self.eos_token_ids!r}")
         if self.sliding_window_layers is not None:
             _check(isinstance(self.sliding_window_layers, (list, tuple))
                    and all(isinstance(i, int) and not isinstance(i, bool) for i in self.sliding_window_layers),
@@ -235,6 +243,12 @@ class ModelConfig:
         _check(self.num_moe_experts % ep == 0,
                f"expert parallel size {ep} does not divide num_moe_experts={self.num_moe_experts} (each EP rank "
                f"holds num_moe_experts / EP experts)")
+
+    def stop_token_ids(self) -> List[int]:
+        """The ids generation stops at: ``eos_token_ids`` when the checkpoint lists several, else ``eos_token_id``."""
+        if self.eos_token_ids:
+            return list(dict.fromkeys(int(i) for i in self.eos_token_ids))
+        return [] if self.eos_token_id is None else [int(self.eos_token_id)]
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-JSON representation."""

@@ -297,8 +297,8 @@ def test_missing_and_unrecognised_dirs(tmp_path):
     with pytest.raises(CheckpointError, match="unrecognised.*nemo_spec_config.json.*latest_checkpointed_iteration"
                                               ".*config.json.*weights.bin"):
         load_model(odd)
-    (odd / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="config.json has no 'architectures'"):
+    (odd / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(CheckpointError, match="config.json has neither an 'architectures' nor a 'model_type'"):
         load_model(odd)
 
 

@@ -402,6 +402,10 @@ def test_export_rejects_unrepresentable_config():
         hf.model_config_to_hf(tiny_llama(), architecture="GPT2LMHeadModel")
     with pytest.raises(HFCheckpointError, match="FooForCausalLM"):
         hf.model_config_to_hf(tiny_llama(), architecture="FooForCausalLM")
+    # q/k/v biases alone (Qwen2) as Llama: its attention_bias=false dropped them (logits off by 1.4 on reload)
+    with pytest.raises(HFCheckpointError, match="add_qkv_bias=True without add_bias_linear .* LlamaForCausalLM"):
+        hf.model_config_to_hf(tiny_llama(add_qkv_bias=True), architecture="LlamaForCausalLM")
+    assert hf.model_config_to_hf(tiny_llama(add_qkv_bias=True))["architectures"] == ["Qwen2ForCausalLM"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -509,3 +513,121 @@ def test_a_config_field_of_the_wrong_kind_is_an_error_naming_config_json(tmp_pat
     with pytest.raises(CheckpointError, match="config.json"):
         load_model(d)
     shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("where", ["config", "generation_config"])
+def test_every_listed_eos_id_stops_generation_as_transformers(tmp_path, where):
+    """Llama 3 lists several end-of-sequence ids (end of text, of message, of turn); only the first stopped our
+    generation, so a reply ran past the end of its turn. transformers' generate() stops at any of them, and vLLM
+    0.34.0 adds generation_config.json's list to every request's stop ids (v1/engine/input_processor.py:63, 484;
+    sampling_params.py:793-807)."""
+    from nemo_spec.checkpoint import load_model
+    from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.models.gpt import model_config
+    from nemo_spec.serve.models import _eos_ids
+
+    ref_model = make_hf_model("llama", tmp_path / "hf", seed=3)
+    prompt = [5, 17, 33, 8]
+    x = torch.tensor([prompt])
+    with torch.no_grad():  # greedy continuation with no eos, to pick listed ids from
+        free = ref_model.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 4:]
+    free = free.tolist()
+    stop_at = next(i for i in range(2, len(free)) if free[i] not in free[:i] and free[i] != 2)
+    third = next(t for t in range(V - 1, 0, -1) if t not in free)
+    eos = [2, free[stop_at], third]  # the first id is config.json's own eos (2); the model emits the second
+    cfg_path = tmp_path / "hf" / "config.json"
+    if where == "config":  # no generation_config.json: transformers falls back to config.json's list
+        (tmp_path / "hf" / "generation_config.json").unlink()
+        cfg = json.loads(cfg_path.read_text())
+        cfg_path.write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    else:  # config.json keeps one id; generation_config.json lists them all
+        gen_path = tmp_path / "hf" / "generation_config.json"
+        gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), "eos_token_id": eos}))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    with torch.no_grad():
+        want = hf_model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    assert want == free[:stop_at + 1]  # transformers stops at the listed id
+    model = load_model(tmp_path / "hf")
+    assert model_config(model).stop_token_ids() == eos
+    for method in ("ar", "prompt_lookup"):
+        res = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=12), method=method)[0]
+        assert res.tokens + [eos[1]] == want and res.finish_reason == "stop", method
+    assert _eos_ids(model, None) == eos  # the server's stop ids
+    out = tmp_path / "exported"  # the list survives our export (config.json + generation_config.json)
+    export_hf(model, out)
+    assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == eos
+    assert model_config(load_model(out)).stop_token_ids() == eos
+
+
+def test_legacy_rope_scaling_added_to_a_v5_config_uses_the_theta_transformers_uses(tmp_path, caplog):
+    """transformers 5 saves rope_theta only inside rope_parameters; a user who then adds a legacy rope_scaling (as
+    model cards say) gets rope_scaling in place of rope_parameters, theta and all, so transformers runs the class
+    default theta (modeling_rope_utils.py convert_rope_params_to_dict) — we took rope_parameters' 1e6 (logits off by
+    0.4), silently. Now the same theta as transformers, with a warning naming the discarded one."""
+    make_hf_model("qwen2", tmp_path / "hf", seed=4)
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in cfg
+    cfg_path.write_text(json.dumps({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert ref_model.config.rope_parameters["rope_theta"] == 10000.0  # what transformers runs
+    x = _ids(s=24)
+    with caplog.at_level("WARNING"):
+        model = load_hf(tmp_path / "hf")
+    assert "not rope_parameters' 1000000.0" in caplog.text
+    torch.testing.assert_close(_our_logits(model, x), _hf_logits(ref_model, x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch,drop", [("MistralForCausalLM", "num_key_value_heads"),
+                                       ("Qwen3ForCausalLM", "head_dim"), ("LlamaForCausalLM", "num_key_value_heads")])
+def test_sizes_left_out_of_config_json_take_the_class_defaults(tmp_path, arch, drop):
+    """A config.json without num_key_value_heads (Mistral's class default is 8 KV heads; Llama's one per head, which
+    its class default in to_dict(), 32, is not) or a Qwen3 one without head_dim (class default 128, not hidden /
+    heads) is what transformers loads; we refused it with a shape error."""
+    T = transformers
+    cls = getattr(T, arch)
+    cfg_cls = cls.config_class
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=16,
+                max_position_embeddings=64)
+    if arch == "Qwen3ForCausalLM":
+        base["num_attention_heads"], base["num_key_value_heads"] = 4, 2
+    torch.manual_seed(0)
+    ref_model = cls(cfg_cls(**base)).eval()
+    _randomize(ref_model, 5)
+    ref_model.save_pretrained(str(tmp_path / "hf"))
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop(drop)
+    cfg_path.write_text(json.dumps(cfg))
+    ref_model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = _ids(s=12)
+    torch.testing.assert_close(_our_logits(load_hf(tmp_path / "hf"), x), _hf_logits(ref_model, x), atol=1e-4, rtol=0)
+
+
+def test_config_json_with_model_type_only_loads_as_transformers_loads_it(tmp_path):
+    """transformers' AutoModelForCausalLM loads a config.json that names only its model_type; load_model refused
+    it ("no 'architectures' field")."""
+    from nemo_spec.checkpoint import load_model
+
+    make_hf_model("qwen2", tmp_path / "hf", seed=6)
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("architectures")
+    cfg_path.write_text(json.dumps(cfg))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert detect_format(tmp_path / "hf") == "hf" and hf.is_hf_dir(tmp_path / "hf")
+    x = _ids()
+    torch.testing.assert_close(_our_logits(load_model(tmp_path / "hf"), x), _hf_logits(ref_model, x), atol=1e-4,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
+def test_qwen2_ignores_llama_bias_fields_as_transformers_does(tmp_path, field):
+    """Qwen2 has q/k/v biases and no others whatever attention_bias / mlp_bias say (transformers' Qwen2Attention
+    and Qwen2MLP never read them); a config.json carrying them was refused with "missing tensor(s) o_proj.bias"."""
+    make_hf_model("qwen2", tmp_path / "hf", seed=7)
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), field: True}))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = _ids()
+    torch.testing.assert_close(_our_logits(load_hf(tmp_path / "hf"), x), _hf_logits(ref_model, x), atol=1e-4, rtol=0)

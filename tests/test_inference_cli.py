@@ -65,6 +65,48 @@ def test_cli_streams_arg_prompt_and_matches_api(ckpt):
         _run(["--model", str(path), "", "--max-new-tokens", "6", "--ignore-eos"])
 
 
+def test_cli_stops_at_the_tokenizers_eos_as_the_server_does(ckpt, tmp_path):
+    """generate.py stopped only at the model config's end-of-sequence id; a tokenizer whose EOS differs (a chat
+    model's end of turn) ran on past it, while the server stops at both (serve/models.py _eos_ids)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from nemo_spec.checkpoint import load_model
+
+    path, _, tok = ckpt
+    ids = tok.encode("the cat sat", add_special_tokens=False)
+    free = generate(load_model(path), [ids], SamplingParams(max_new_tokens=8), options={"ignore_eos": True})[0].tokens
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    eos_tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, pad_token="<pad>",
+                                      eos_token=tok.convert_ids_to_tokens(free[k]))
+    eos_tok.save_pretrained(tmp_path / "tok")
+    rc, out, err = _run(["--model", str(path), "--tokenizer", str(tmp_path / "tok"), "the cat sat",
+                         "--max-new-tokens", "8"])
+    assert rc == 0 and "finish=stop" in err
+    assert out == "the cat sat" + tok.decode(free[:k]) + "\n"
+    rc, out, err = _run(["--model", str(path), "--tokenizer", str(tmp_path / "tok"), "the cat sat",
+                         "--max-new-tokens", "8", "--ignore-eos"])
+    assert rc == 0 and "finish=length" in err
+
+
+def test_generate_input_types_are_checked():
+    """Float or bool token ids were truncated silently, a bare int as stop_token_ids raised a TypeError, an
+    ignore_eos of "false" ignored the end of sequence, max_batch=0 ran every row at once."""
+    model = build_gpt(tiny_llama()).eval()
+    for prompts, match in (([[5.9, 6.2]], "prompts\\[0\\] must hold integer token ids, got 5.9"),
+                           ([[True, 6]], "must hold integer token ids, got True")):
+        with pytest.raises(SamplingError, match=match):
+            generate(model, prompts, SamplingParams(max_new_tokens=2))
+    with pytest.raises(SamplingError, match="stop_token_ids must be a list of token ids, got 2"):
+        SamplingParams(stop_token_ids=2)
+    with pytest.raises(SamplingError, match="stop_token_ids must hold integer token ids, got 2.7"):
+        SamplingParams(stop_token_ids=[2.7])
+    assert SamplingParams(stop_token_ids=torch.tensor([3, 4]).numpy()).stop_token_ids == (3, 4)
+    for opts, match in (({"ignore_eos": "false"}, "'ignore_eos' must be true or false"),
+                        ({"max_batch": 0}, "'max_batch' must be an int >= 1, got 0")):
+        with pytest.raises(SamplingError, match=match):
+            generate(model, [[5, 6]], SamplingParams(max_new_tokens=2), options=opts)
+
+
 def test_generated_text_continues_the_prompt(ckpt):
     # a SentencePiece (Metaspace) decode drops a text's leading space: an output "▁mat ..." decoded alone read "mat",
     # and the CLI printed "the cat sat on themat"; like transformers' text-generation pipeline (decode(prompt + output)

@@ -112,11 +112,32 @@ def as_transformers_reads_it(hf_config: Mapping[str, Any], fam: Family, source: 
     defaults = AutoConfig.for_model(fam.model_type).to_dict()
     out = dict(hf_config)
     out.update({k: defaults[k] for k in _DEFAULTED if k not in out and k in defaults})
+    shaped = [k for k in ("num_key_value_heads", "head_dim") if k not in out]
+    if shaped:  # class defaults that depend on the file's own sizes (Llama: one KV head per head), or do not
+        # (Mistral / Mixtral 8 KV heads, Qwen2 / Qwen3 32, Qwen3 head_dim 128): what the class builds from them
+        sizes = {k: out[k] for k in ("num_attention_heads", "hidden_size") if isinstance(out.get(k), int)}
+        try:
+            built = AutoConfig.for_model(fam.model_type, **sizes)
+        except (TypeError, ValueError):  # sizes the class refuses: the family's own reader names the field
+            built = None
+        for k in shaped:
+            v = getattr(built, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[k] = v
     params = out.get("rope_parameters") if isinstance(out.get("rope_parameters"), dict) else {}
-    if "rope_theta" not in out and "rope_theta" not in params:
-        theta = defaults.get("rope_theta") or (defaults.get("rope_parameters") or {}).get("rope_theta")
-        if theta is not None:
-            out["rope_theta"] = theta
+    theta = defaults.get("rope_theta") or (defaults.get("rope_parameters") or {}).get("rope_theta")
+    scaling = out.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling and "rope_theta" not in out and "rope_theta" not in scaling:
+        # rope_scaling replaces rope_parameters whole (transformers 5.x modeling_rope_utils.py
+        # convert_rope_params_to_dict; 4.x never reads rope_parameters): the theta it held is not used
+        if params.get("rope_theta") is not None and theta is not None and float(params["rope_theta"]) != theta:
+            log.warning("%s: rope_scaling replaces rope_parameters, so transformers runs this model with the "
+                        "%s default rope_theta=%s, not rope_parameters' %s; put rope_theta into rope_scaling (or "
+                        "the scaling into rope_parameters) if %s is meant", source, fam.architecture, theta,
+                        params["rope_theta"], params["rope_theta"])
+        params = {}
+    if "rope_theta" not in out and "rope_theta" not in params and theta is not None:
+        out["rope_theta"] = theta
     return out
 
 
@@ -256,7 +277,8 @@ def hf_state_dict_from_megatron(full_sd: Mapping[str, torch.Tensor], cfg: ModelC
 # --------------------------------------------------------------------------------------------------------------
 
 def is_hf_dir(path: PathLike) -> bool:
-    """True if ``path`` looks like a Hugging Face model directory (config.json with ``architectures``)."""
+    """True if ``path`` looks like a Hugging Face model directory (config.json with ``architectures`` or
+    ``model_type``)."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         return False
@@ -264,13 +286,43 @@ def is_hf_dir(path: PathLike) -> bool:
         data = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, OSError):
         return False
-    return isinstance(data, dict) and bool(data.get("architectures"))
+    return isinstance(data, dict) and (bool(data.get("architectures")) or isinstance(data.get("model_type"), str))
 
 
 def read_hf_model_config(path: PathLike) -> ModelConfig:
-    """The ModelConfig of an HF directory (reads config.json only)."""
+    """The ModelConfig of an HF directory: config.json, and generation_config.json's end-of-sequence ids."""
     p = Path(path)
-    return hf_to_model_config(read_hf_config(p), str(p / "config.json"))
+    return with_generation_eos(hf_to_model_config(read_hf_config(p), str(p / "config.json")), p)
+
+
+def with_generation_eos(cfg: ModelConfig, path: PathLike) -> ModelConfig:
+    """``cfg`` with the end-of-sequence ids of ``<path>/generation_config.json`` when it has one: generation stops
+    at any of them, as vLLM 0.34.0 adds them to every request's stop ids (v1/engine/input_processor.py:63, 484;
+    sampling_params.py:793-807) and transformers' generate() stops at them (a config.json without the file: its own
+    list)."""
+    from nemo_spec.checkpoint.families._llama_like import id_list
+
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return cfg
+    try:
+        gen = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFCheckpointError(f"{f}: not valid JSON ({e})") from e
+    if not isinstance(gen, dict) or gen.get("eos_token_id") is None:
+        return cfg
+    try:
+        ids = id_list(gen["eos_token_id"], "eos_token_id", str(f))
+    except families.FamilyError as e:
+        raise HFCheckpointError(str(e)) from e
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise HFCheckpointError(f"{f}: eos_token_id {bad} outside the vocabulary [0, {cfg.vocab_size})")
+    if ids and ids != [cfg.eos_token_id]:
+        cfg.eos_token_ids = ids
+        if cfg.eos_token_id is None:
+            cfg.eos_token_id = ids[0]
+    return cfg
 
 
 def load_hf_state_dict(path: PathLike, cfg: Optional[ModelConfig] = None) -> Dict[str, torch.Tensor]:
@@ -306,7 +358,7 @@ def load_hf(path: PathLike, params_dtype: torch.dtype = torch.float32,
     p = Path(path)
     source = str(p / "config.json")
     hf = read_hf_config(p)
-    cfg = hf_to_model_config(hf, source)
+    cfg = with_generation_eos(hf_to_model_config(hf, source), p)
     tp_size = parallel.tp_size()
     try:
         cfg.check_tensor_parallel(tp_size)
@@ -337,6 +389,8 @@ def _generation_config(cfg: ModelConfig) -> Dict[str, Any]:
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, k) is not None:
             out[k] = getattr(cfg, k)
+    if cfg.eos_token_ids:
+        out["eos_token_id"] = list(cfg.eos_token_ids)
     try:
         import transformers
 

@@ -129,10 +129,10 @@ def detect_format(path: PathLike) -> str:
             hf_cfg = json.loads(cfg_json.read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{cfg_json}: not valid JSON ({e})") from e
-        if isinstance(hf_cfg, dict) and hf_cfg.get("architectures"):
-            return "hf"
-        raise CheckpointError(f"{cfg_json} has no 'architectures' field, so {p} is not a Hugging Face model "
-                              f"directory")
+        if isinstance(hf_cfg, dict) and (hf_cfg.get("architectures") or isinstance(hf_cfg.get("model_type"), str)):
+            return "hf"  # model_type alone: transformers' AutoModelForCausalLM loads it, so do we (its family)
+        raise CheckpointError(f"{cfg_json} has neither an 'architectures' nor a 'model_type' field, so {p} is not a "
+                              f"Hugging Face model directory")
     found = sorted(x.name for x in p.iterdir())[:12]
     if (p / DIST_METADATA).is_file():
         raise CheckpointError(

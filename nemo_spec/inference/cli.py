@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -211,6 +212,9 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     rank0 = parallel.is_rank_zero()
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and not args.ignore_eos:  # the tokenizer's end of sequence stops too, as in the server
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, tok_eos))
     # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
     # which DFlash drafts use as their mask token)
     all_ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in prompts]

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from nemo_spec.inference.engine import Engine, GenerationResult, OnFinish, OnTokens
-from nemo_spec.inference.sampling import SamplingError, SamplingParams
+from nemo_spec.inference.sampling import SamplingError, SamplingParams, token_id_list
 from nemo_spec.inference.proposers import METHODS
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         raise SamplingError(f"unknown generation method {method!r}; choose one of {METHODS}")
     if isinstance(prompts, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in prompts):
         raise SamplingError("prompts must be a list of token-id lists (tokenize text first)")
-    prompts = [[int(t) for t in p] for p in prompts]
+    prompts = [token_id_list(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     plist = _as_params(params, len(prompts))
     options = dict(options or {})
     from nemo_spec.inference.session import run_session

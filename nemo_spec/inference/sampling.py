@@ -17,6 +17,7 @@ Lossless rules (``p`` = warped target distribution, ``q`` = the distribution a d
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,18 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+def token_id_list(ids: Any, what: str) -> List[int]:
+    """``ids`` (a sequence of ints: Python or numpy integers, not bools or floats) as a list of Python ints; a
+    SamplingError names ``what`` otherwise (a float id was truncated before, an int raised a TypeError)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise SamplingError(f"{what} must be a list of token ids, got {ids!r}")
+    out = list(ids)
+    bad = [t for t in out if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise SamplingError(f"{what} must hold integer token ids, got {bad[0]!r}")
+    return [int(t) for t in out]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (temperature 0 means greedy)."""
@@ -49,7 +62,8 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        stops = () if self.stop_token_ids is None else self.stop_token_ids
+        object.__setattr__(self, "stop_token_ids", tuple(token_id_list(stops, "SamplingParams.stop_token_ids")))
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings or ()))

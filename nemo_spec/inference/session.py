@@ -34,7 +34,7 @@ from nemo_spec.inference.adaptive import AdaptiveSpeculation
 from nemo_spec.inference.engine import (GenerationResult, OnFinish, OnTokens, PrefillChunk, StepState, pooled_cache,
                                         tau_of, peak_memory_bytes)
 from nemo_spec.inference.sampling import (SamplingError, SamplingParams, continuation_text, decode_text,
-                                          row_generators)
+                                          row_generators, token_id_list)
 from nemo_spec.inference.proposers import METHODS, Proposer, make_proposer
 from nemo_spec.inference.proposers.common import chain_block, last_valid
 from nemo_spec.inference.transfer import allowed_sync, h2d, tensor
@@ -122,8 +122,9 @@ class Session:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise SamplingError(f"option {key!r} must be an int >= {least}, got {v!r}")
-        if not isinstance(options.get("adaptive", False), bool):
-            raise SamplingError(f"option 'adaptive' must be true or false, got {options['adaptive']!r}")
+        for key in ("adaptive", "ignore_eos"):
+            if not isinstance(options.get(key, False), bool):
+                raise SamplingError(f"option {key!r} must be true or false, got {options[key]!r}")
         try:
             compile_mode = compiled.resolve_mode(options.get("compile", False))
         except ValueError as err:
@@ -145,7 +146,7 @@ class Session:
         if not isinstance(pad_id, int) or not 0 <= int(pad_id) < cfg.vocab_size:
             raise SamplingError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
         self.pad_id = int(pad_id)
-        self.eos = [] if options.get("ignore_eos") or cfg.eos_token_id is None else [cfg.eos_token_id]
+        self.eos = [] if options.get("ignore_eos") else cfg.stop_token_ids()
         self.max_cache_len = options.get("max_cache_len")
         self.max_pos = cfg.max_position_embeddings
         self.slots = int(max_batch)
@@ -206,7 +207,7 @@ class Session:
             raise SamplingError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, (str, bytes)):
             raise SamplingError("prompts must be token-id lists (tokenize text first)")
-        prompt = [int(t) for t in prompt]
+        prompt = token_id_list(prompt, "prompt")
         h = self._next_handle
         self.engine.check_row(h, prompt, params, self.proposer.lookahead, self.slot_len, self.max_cache_len,
                               self.tokenizer)
@@ -597,7 +598,8 @@ def run_session(model: torch.nn.Module, prompts: List[List[int]], params: List[S
     if not prompts:
         raise SamplingError("prompts must be a non-empty list of token-id lists")
     opts = dict(options)
-    slots = opts.pop("max_batch", None) or len(prompts)
+    slots = opts.pop("max_batch", None)
+    slots = len(prompts) if slots is None else slots  # 0 or a non-int: Session names it
     need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
     sess = Session(model, method, draft_model, opts, tokenizer, max_batch=slots, max_seq_len=need,
                    prefill_chunk_tokens=opts.get("prefill_chunk_tokens", 1 << 30), shared_caches=True)

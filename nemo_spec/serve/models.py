@@ -40,7 +40,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> List[int]:
     from nemo_spec.models.gpt import model_config
 
     ids = []
-    for v in (getattr(tokenizer, "eos_token_id", None), model_config(model).eos_token_id):
+    for v in (getattr(tokenizer, "eos_token_id", None), *model_config(model).stop_token_ids()):
         if isinstance(v, int) and v not in ids:
             ids.append(v)
     return ids

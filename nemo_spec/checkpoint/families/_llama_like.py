@@ -18,25 +18,26 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ fields
-def first_id(value: Any, field: str, source: str) -> Optional[int]:
-    """A token id field that may be a list (the first id is kept; generation_config keeps them all)."""
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return None
-        if len(value) > 1:
-            log.warning("%s: %s=%s has several ids; using %s (generation_config.json keeps the full list)",
-                        source, field, list(value), value[0])
-        value = value[0]
-    if not isinstance(value, int):
+def id_list(value: Any, field: str, source: str) -> List[int]:
+    """A token id field that may be an int, a list of ints or null, as a list."""
+    ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise FamilyError(f"{source}: field {field!r} must be an int or a list of ints, got {value!r}")
-    return value
+    return ids
 
 
-def token_ids(hf: Mapping[str, Any], source: str) -> Dict[str, Optional[int]]:
-    """bos/eos/pad ids of a config.json."""
-    return {k: first_id(hf.get(k), k, source) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+def first_id(value: Any, field: str, source: str) -> Optional[int]:
+    """A token id field that may be a list (the first id)."""
+    ids = id_list(value, field, source)
+    return ids[0] if ids else None
+
+
+def token_ids(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    """bos/eos/pad ids of a config.json; several eos ids (Llama 3) are all kept as eos_token_ids."""
+    out: Dict[str, Any] = {k: first_id(hf.get(k), k, source) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    eos = id_list(hf.get("eos_token_id"), "eos_token_id", source)
+    out["eos_token_ids"] = eos if len(eos) > 1 else None
+    return out
 
 
 def required(hf: Mapping[str, Any], source: str, *names: str) -> Any:
@@ -173,19 +174,22 @@ def llama_like_from_hf(hf: Mapping[str, Any], source: str, *, arch: str, qkv_bia
                        window: Callable[[Mapping[str, Any], str], Tuple[Optional[int], Optional[List[int]]]]
                        = lambda hf, source: (None, None),
                        moe: Optional[MoEFields] = None, ffn_field: str = "intermediate_size",
-                       biases: bool = True, unsupported: Optional[Mapping[str, Callable[[Any], bool]]] = None
+                       biases: Optional[bool] = True, unsupported: Optional[Mapping[str, Callable[[Any], bool]]] = None
                        ) -> ModelConfig:
     """ModelConfig of a Llama-style config.json: RMSNorm, SwiGLU (or experts), RoPE, GQA, the family's options.
 
     ``qkv_bias``: the family always has q/k/v biases (Qwen2). ``biases``: read ``attention_bias`` / ``mlp_bias``
-    (Llama); otherwise a true ``attention_bias`` is refused. ``window``: the family's sliding-window convention.
+    (Llama); False: a true one is refused; None: the fields are not read (transformers' Qwen2 and vLLM's ignore
+    them). ``window``: the family's sliding-window convention.
     """
     refuse(hf, source, dict(unsupported or {}), arch)
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise FamilyError(f"{source}: field 'hidden_act'={act!r} is not supported (need 'silu')")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if not biases and (attention_bias or mlp_bias):
+    if biases is None:
+        attention_bias = mlp_bias = False
+    elif not biases and (attention_bias or mlp_bias):
         raise FamilyError(f"{source}: field {'attention_bias' if attention_bias else 'mlp_bias'}=true is not "
                           f"supported for {arch}")
     heads, hidden = int(required(hf, source, "num_attention_heads")), int(required(hf, source, "hidden_size"))
@@ -225,7 +229,7 @@ def config_errors(source: str) -> Iterator[None]:
 def common_to_hf(cfg: ModelConfig, arch: str, model_type: str) -> Dict[str, Any]:
     """config.json fields every family writes."""
     out = {"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
-           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids or cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
            "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_method_std,
            "use_cache": True}
     try:

@@ -39,5 +39,8 @@ FAMILY = Family(
               ("qk_layernorm", is_(False), "False"), ("num_moe_experts", is_none, "None"),
               ("sliding_window", is_none, "None (Llama has no sliding window; use MistralForCausalLM)")),
     auto=lambda c: not (c.add_qkv_bias and not c.add_bias_linear),
+    check=lambda c: None if not (c.add_qkv_bias and not c.add_bias_linear) else (
+        "ModelConfig.add_qkv_bias=True without add_bias_linear cannot be exported as LlamaForCausalLM (its "
+        "attention_bias puts biases on q, k, v and o together; q/k/v biases alone: Qwen2ForCausalLM)"),
     limits=Limits(engines=ENGINES, notes="attention_bias / mlp_bias"),
 )

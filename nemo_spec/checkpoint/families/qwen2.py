@@ -14,7 +14,9 @@ ARCH = "Qwen2ForCausalLM"
 
 def from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     """ModelConfig of a Qwen2 config.json."""
-    return L.llama_like_from_hf(hf, source, arch=ARCH, qkv_bias=True, window=L.window_by_layer_type)
+    # attention_bias / mlp_bias are not Qwen2's fields: q/k/v always have biases, o_proj and the MLP never
+    # (transformers' Qwen2Attention, vllm's qwen2.py), whatever a config.json says
+    return L.llama_like_from_hf(hf, source, arch=ARCH, qkv_bias=True, window=L.window_by_layer_type, biases=None)
 
 
 def to_hf(cfg: ModelConfig) -> Dict[str, Any]:
