@@ -136,11 +136,11 @@ def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
 def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: Optional[Dict[str, str]] = None,
                tokenizer: Union[bool, str] = True, pre: str = "gpt-2", seed: int = 0,
                metadata_arch: Optional[str] = None, add_space_prefix: Optional[bool] = None,
-               add_bos: Optional[bool] = True) -> Dict[str, np.ndarray]:
+               add_bos: Optional[bool] = True, meta_fn: Optional[Any] = None) -> Dict[str, np.ndarray]:
     """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);
     ``tokenizer``: True / "gpt2" (byte-level BPE of :func:`train_bpe`), "llama" (SentencePiece vocabulary of
     :func:`train_spm`, no merges, as llama.cpp writes Llama-2's), or False; returns the float32 source arrays by
-    llama.cpp name."""
+    llama.cpp name. ``meta_fn(writer)`` adds metadata of its own after the tokenizer's."""
     import gguf
 
     cfg = model.config
@@ -192,6 +192,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
         w.add_pad_token_id(0)
         w.add_add_bos_token(False)
         w.add_chat_template(CHATML)
+    if meta_fn is not None:
+        meta_fn(w)
     arrays = _gguf_tensors(model, arch)
     for name, arr in arrays.items():
         qname = "F32"

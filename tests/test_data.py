@@ -216,3 +216,14 @@ def test_text_format_chunks_with_loss_on_all(tok):
     assert prompts and all(4 <= len(p) <= 8 for p in prompts)
     with pytest.raises(EmptyDatasetError, match="no files with suffix"):
         read_conversations(FIXTURES / "text_dir", "daring_anteater")
+
+
+def test_record_opening_with_the_assistants_turn_encodes(tok):
+    """A record whose first turn is the assistant's renders the generation prompt of an empty conversation to find
+    that turn; rendering through transformers' apply_chat_template (which refuses no messages) broke such records."""
+    rec = {"id": "a", "system": None, "turns": [{"role": "assistant", "content": "hello there."},
+                                                 {"role": "user", "content": "hi?"},
+                                                 {"role": "assistant", "content": "yes."}]}
+    enc = encode_chat(tok, rec, 512)
+    masked = tok.decode(enc.input_ids[enc.loss_mask.bool()])
+    assert masked.replace(" ", "") == "hellothere.<|im_end|>yes.<|im_end|>"  # (this tokenizer decodes without spaces)

@@ -536,3 +536,33 @@ def test_draft_option_edge_cases(exports, tmp_path):
                         _copy(exp / "draft" / "vllm", tmp_path / "ec", in_eagle_config)) == "eagle3"
     with pytest.raises(ConfigError, match=r"norm_before_fc needs 3 distinct aux layers.*\[1, 1, 2\]"):
         make_model("eagle3", aux_layers=[1, 1, 2], norm_before_fc=True)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_drafts_reading_aux_features_are_not_exported_for_engines_whose_base_class_cannot_give_them(tmp_path,
+                                                                                                     algorithm):
+    """EAGLE-3 / DFlash drafts read the base's intermediate hidden states; vLLM's MixtralForCausalLM does not
+    implement SupportsEagle3 (vllm 0.34.0 model_executor/models/mixtral.py:375; the runner raises at
+    eagle3_utils.py:18-19) and SGLang's has no set_eagle3_layers_to_capture (0.5.23 model_runner_components/
+    attention_backend_setup.py:54-71), yet such drafts were exported, and verified, for both."""
+    from nemo_spec.checkpoint.hf import hf_to_model_config
+    from nemo_spec.models import build_gpt
+    from nemo_spec.speculative import SpeculativeTransform
+
+    cfg = hf_to_model_config({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 96,
+                              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                              "num_local_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 2}, "mixtral")
+    kw = (dict(algorithm="eagle3", num_eagle_layers=1, draft_vocab_size=48, aux_layers=[0, 1, 2])
+          if algorithm == "eagle3" else
+          dict(algorithm="dflash", num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=5))
+    torch.manual_seed(0)
+    model = SpeculativeTransform(**kw)(build_gpt(cfg))
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ExportError, match=f"{engine} .*MixtralForCausalLM does not hand a draft the base's "
+                                              f"intermediate hidden states"):
+            export_model(model, tmp_path / engine, dtype="fp32", target=engine)
+    out = export_model(model, tmp_path / "all", dtype="fp32", target="all")
+    info = json.loads((out / "export_info.json").read_text())
+    assert "vllm" not in info["engines"] and "sglang" not in info["engines"]
+    assert "intermediate hidden states" in info["skipped_engines"]["vllm"]

@@ -558,3 +558,57 @@ def test_gguf_import_can_take_a_tokenizer_directory(llama, tmp_path):
     with pytest.raises(G.GGUFError, match="tokenizer_dir .* is not a directory"):
         convert_gguf_to_checkpoint(f32, tmp_path / "ck2", tokenizer_dir=tmp_path / "none")
     assert "--tokenizer_dir" in G.TOKENIZER_HINT
+
+
+def test_generation_ends_where_llama_cpp_ends_it(llama, tmp_path):
+    """llama.cpp stops at every end-of-generation token (llama-cpp-python 0.3.16 vendor/llama.cpp/src/
+    llama-vocab.cpp:2297-2363, is_eog at :2541): eos, the eot / eom ids, and tokens whose text ends a turn
+    (<|im_end|>, <|endoftext|>, <|eot_id|>, <|eom_id|> ...). We stopped at the eos id only: a Llama 3.1 GGUF (eos
+    <|eot_id|>) ran past <|eom_id|>."""
+    from nemo_spec.checkpoint.gguf import read_gguf_config
+    from tests.gguf_utils import train_bpe
+
+    m, f32, _ = llama
+    tokens, _ = train_bpe()
+    assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    cfg, _ = read_gguf_config(f32)
+    assert cfg.eos_token_id == 2 and cfg.stop_token_ids() == [2, 0]  # eos <|im_end|>, then <|endoftext|> by text
+    from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.models.gpt import model_config
+
+    prompt = [1, 5, 9]
+    free = generate(load_model(f32), [prompt], SamplingParams(max_new_tokens=8), options={"ignore_eos": True})[0].tokens
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i] and free[i] not in (0, 2))
+    eot, eom = free[k], next(t for t in range(300, 3, -1) if t not in free)  # ids the keys name, whatever their text
+
+    def keys(w):
+        w.add_uint32("tokenizer.ggml.eot_token_id", eot)
+        w.add_uint32("tokenizer.ggml.eom_token_id", eom)
+        w.add_bool("tokenizer.ggml.add_eos_token", True)
+
+    f = tmp_path / "eog.gguf"
+    write_gguf(f, m, meta_fn=keys)
+    cfg, _ = read_gguf_config(f)
+    assert cfg.stop_token_ids() == [2] + sorted([0, eot, eom])
+    model = load_model(f)
+    assert model_config(model).stop_token_ids() == cfg.stop_token_ids()
+    res = generate(model, [prompt], SamplingParams(max_new_tokens=8))[0]
+    end = next(i for i, t in enumerate(free) if t in (0, 2, eot, eom))
+    assert end <= k and res.tokens == free[:end] and res.finish_reason == "stop"
+    # add_eos_token: the byte-level BPE tokenizer appends EOS as llama.cpp does (llama-vocab.cpp:2853-2856) and as
+    # transformers' GGUF tokenizer does (it was left out)
+    tok = G.build_tokenizer(G._tokenizer_metadata(G.open_gguf(f)), str(f))
+    ids = tok.encode("def x").ids
+    assert ids[-1] == 2 and ids == _hf_tokenizer_ids(f, "def x")
+    for value, match in (("two", "'tokenizer.ggml.eot_token_id'='two' is not a token id"),
+                         (10**6, r"'tokenizer.ggml.eot_token_id'=1000000 is outside the vocabulary \[0, 320\)")):
+        bad = tmp_path / "bad.gguf"
+        write_gguf(bad, m, meta_fn=lambda w: (w.add_string if isinstance(value, str) else w.add_uint32)(
+            "tokenizer.ggml.eot_token_id", value))
+        with pytest.raises(G.GGUFError, match=match):
+            read_gguf_config(bad)
+
+
+def _hf_tokenizer_ids(path: Path, text: str):
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return tok(text).input_ids

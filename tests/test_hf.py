@@ -631,3 +631,19 @@ def test_qwen2_ignores_llama_bias_fields_as_transformers_does(tmp_path, field):
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     x = _ids()
     torch.testing.assert_close(_our_logits(load_hf(tmp_path / "hf"), x), _hf_logits(ref_model, x), atol=1e-4, rtol=0)
+
+
+def test_generation_config_ids_replace_config_json_ids(tmp_path):
+    """generation_config.json's end-of-sequence ids are the ones generation stops at, a single one too (transformers'
+    GenerationConfig; vLLM's sampling_params.py:793-807): a config.json list stood beside a single id before."""
+    from nemo_spec.checkpoint.hf import with_generation_eos
+
+    for gen, want in ((2, [2]), (5, [5]), ([5, 2], [5, 2]), (None, [2, 3])):
+        d = tmp_path / f"d{gen}"
+        d.mkdir()
+        if gen is not None:
+            (d / "generation_config.json").write_text(json.dumps({"eos_token_id": gen}))
+        cfg = tiny_llama(eos_token_id=2, eos_token_ids=[2, 3])
+        assert with_generation_eos(cfg, d).stop_token_ids() == want, gen
+        if gen is not None:
+            assert transformers.GenerationConfig.from_pretrained(str(d)).eos_token_id == gen

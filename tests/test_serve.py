@@ -143,6 +143,11 @@ def test_chat_extensions_as_vllm(server, ref, tok):
                                                 extra_body={"continue_final_message": True, "echo": echo,
                                                             "add_generation_prompt": False}))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == out.choices[0].message.content
+    # without a generation prompt the reply takes the last message's role, and echo applies to it (serving.py:441-444)
+    user_last = [{"role": "user", "content": "the cat"}]
+    out = c.chat.completions.create(model="tiny", messages=user_last, max_tokens=4, temperature=0,
+                                    extra_body={"add_generation_prompt": False, "echo": True})
+    assert out.choices[0].message.role == "user" and out.choices[0].message.content.startswith("the cat")
     parts = [{"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat on"}]}]
     out = c.chat.completions.create(model="tiny", messages=parts, max_tokens=1)
     assert out.usage.prompt_tokens == len(chat_ids(tok, [{"role": "user", "content": "the cat\nsat on"}]))

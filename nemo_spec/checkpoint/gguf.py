@@ -210,10 +210,54 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
     for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                          ("pad_token_id", "padding_token_id")):
-        v = meta.get(f"tokenizer.ggml.{theirs}")
+        v = _token_id(meta, theirs, vocab, source)
         if v is not None:
-            cfg[ours] = int(v)
+            cfg[ours] = v
+    eog = end_of_generation_ids(meta, tokens or [], vocab, source)
+    eos = cfg.get("eos_token_id")
+    ids = ([eos] if eos is not None else []) + [i for i in eog if i != eos]
+    if len(ids) > 1:  # config.json style: every id that ends generation, eos first
+        cfg["eos_token_id"] = ids
     return cfg
+
+
+def _token_id(meta: Mapping[str, Any], name: str, vocab: Optional[int], source: str) -> Optional[int]:
+    """``tokenizer.ggml.<name>`` as a token id of the vocabulary (None when absent); GGUFError names the key."""
+    v = meta.get(f"tokenizer.ggml.{name}")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise GGUFError(f"{source}: metadata 'tokenizer.ggml.{name}'={v!r} is not a token id")
+    if v < 0 or (vocab is not None and v >= int(vocab)):
+        raise GGUFError(f"{source}: metadata 'tokenizer.ggml.{name}'={v} is outside the vocabulary [0, {vocab})")
+    return int(v)
+
+
+#: token texts llama.cpp treats as ending generation wherever they are in the vocabulary (llama-cpp-python 0.3.16
+#: vendor/llama.cpp/src/llama-vocab.cpp:2312-2325)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+             "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+
+
+def end_of_generation_ids(meta: Mapping[str, Any], tokens: Sequence[str], vocab: Optional[int],
+                          source: str) -> List[int]:
+    """The ids llama.cpp stops generation at (``llama_vocab::is_eog``, llama-vocab.cpp:2297-2398): the FIM pad /
+    repeat / separator ids, every token whose text is in :data:`EOG_TEXTS`, and the eos, eot and eom ids; with
+    ``<|return|>`` and ``<|call|>`` among them, ``<|end|>`` is not one (gpt-oss's harmony format)."""
+    ids: List[int] = []
+    for name in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id"):
+        v = _token_id(meta, name, vocab, source)
+        if v is not None:
+            ids.append(v)
+    ids += [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
+    for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = _token_id(meta, name, vocab, source)
+        if v is not None:
+            ids.append(v)
+    texts = {tokens[i] for i in ids if i < len(tokens)}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= texts:
+        ids = [i for i in ids if i >= len(tokens) or tokens[i] != "<|end|>"]
+    return sorted(set(ids))
 
 
 def _model_config(hf_cfg: Dict[str, Any], source: str) -> ModelConfig:
@@ -467,11 +511,16 @@ def _build_gpt2_tokenizer(meta: Mapping[str, Any], source: str) -> Any:
         tok.add_special_tokens(special)
     if user:
         tok.add_tokens(user)
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        b = tokens[int(bos)]
-        tok.post_processor = processors.TemplateProcessing(single=f"{b} $A", pair=f"{b} $A {b} $B",
-                                                           special_tokens=[(b, int(bos))])
+    # BOS / EOS around the text as the flags say (llama.cpp appends EOS too: llama-cpp-python 0.3.16
+    # vendor/llama.cpp/src/llama-vocab.cpp:2129-2139, 2853-2856; transformers passes add_eos_token on)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    add = [(tokens[int(i)], int(i)) if bool(meta.get(f"tokenizer.ggml.{flag}")) and i is not None else None
+           for flag, i in (("add_bos_token", bos), ("add_eos_token", eos))]
+    if add[0] or add[1]:
+        pre, post = (f"{add[0][0]} " if add[0] else ""), (f" {add[1][0]}" if add[1] else "")
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{pre}$A{post}", pair=f"{pre}$A{post} {pre}$B{post}",
+            special_tokens=list(dict.fromkeys(a for a in add if a)))
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     if tok.get_vocab_size() != len(tokens):
@@ -557,8 +606,8 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
     types = list(meta.get("tokenizer.ggml.token_type") or [])
 
     def token(key: str) -> Optional[str]:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        i = _token_id(meta, key, len(tokens), source)
+        return None if i is None else tokens[i]
 
     named = [token(k) for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")]
     special_ids = sorted({i for i, ty in enumerate(types) if ty == TOKEN_CONTROL}
@@ -589,8 +638,8 @@ def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key: str) -> Optional[str]:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        i = _token_id(meta, key, len(tokens), str(src))
+        return None if i is None else tokens[i]
 
     specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                 "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}

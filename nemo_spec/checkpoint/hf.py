@@ -318,8 +318,8 @@ def with_generation_eos(cfg: ModelConfig, path: PathLike) -> ModelConfig:
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise HFCheckpointError(f"{f}: eos_token_id {bad} outside the vocabulary [0, {cfg.vocab_size})")
-    if ids and ids != [cfg.eos_token_id]:
-        cfg.eos_token_ids = ids
+    if ids:  # the file's ids replace config.json's (a single one too), as they do in transformers and vLLM
+        cfg.eos_token_ids = None if ids == [cfg.eos_token_id] else ids
         if cfg.eos_token_id is None:
             cfg.eos_token_id = ids[0]
     return cfg

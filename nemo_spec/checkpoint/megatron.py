@@ -193,7 +193,7 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
         return {"format": "gguf", "model": cfg.to_dict(), "architectures": hf_cfg["architectures"]}
     hf = _import_hf()
     hf_cfg = json.loads((p / "config.json").read_text())
-    cfg = hf.hf_to_model_config(hf_cfg, str(p / "config.json"))
+    cfg = hf.with_generation_eos(hf.hf_to_model_config(hf_cfg, str(p / "config.json")), p)
     return {"format": "hf", "model": cfg.to_dict(), "architectures": hf_cfg.get("architectures")}
 
 

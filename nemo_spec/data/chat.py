@@ -151,7 +151,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Dict[str, Any]], add_generati
     source = template or chat_template_of(tokenizer)
     msgs = [dict(m) for m in messages]
     try:
-        if callable(getattr(tokenizer, "apply_chat_template", None)):
+        if msgs and callable(getattr(tokenizer, "apply_chat_template", None)):  # (it refuses no messages: the
+            # generation prompt alone, which a record opening with the assistant's turn needs, is rendered here)
             return tokenizer.apply_chat_template(msgs, chat_template=source, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, **template_kwargs)

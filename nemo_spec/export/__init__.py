@@ -235,6 +235,15 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
         sub = "draft" if target != "all" else f"draft/{eng}"
         launch: Dict[str, Any] = {}
         try:
+            from nemo_spec.checkpoint.families import FamilyError, family_for_export
+            from nemo_spec.export.engines import base_unsupported
+
+            try:
+                why = base_unsupported(eng, fmt, family_for_export(cfg).architecture)
+            except FamilyError:  # a base no family writes: the base export names the field
+                why = None
+            if why:
+                raise ExportError(why)
             if fmt == "eagle3":
                 tensors, conf, launch = eagle_fmt.eagle3_to_engine(neutral, cfg, spec, eng)
             elif fmt == "eagle1":

@@ -473,13 +473,15 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                                         "messages")
         job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
         rid, created = P.new_id("chatcmpl"), P.now()
-        # echo (vLLM's extension): the reply starts with the last message when it is the assistant's (vllm 0.34.0
-        # entrypoints/openai/chat_completion/serving.py:649-662, 1091-1100)
+        # the reply's role: the assistant's, or without a generation prompt the last message's; echo (vLLM's
+        # extension) starts it with the last message when the roles match (vllm 0.34.0 entrypoints/openai/
+        # chat_completion/serving.py:441-444, 649-662, 1091-1100)
         last = req.messages[-1]
-        echo = last.text() if req.echo and last.role == "assistant" else ""
+        role = "assistant" if req.add_generation_prompt else last.role
+        echo = last.text() if req.echo and last.role == role else ""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            first = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+            first = [[{"index": i, "delta": {"role": role, "content": ""}, "finish_reason": None,
                        "logprobs": None} for i in range(job.num_choices)]]
             if echo:
                 first.append([{"index": i, "delta": {"content": echo}, "finish_reason": None, "logprobs": None}
@@ -489,7 +491,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await collect(job, request):
             return Response(status_code=499)
-        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=echo + job.texts[i]),
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(role=role, content=echo + job.texts[i]),
                                 finish_reason=job.finish[i]) for i in range(job.num_choices)]
         resp = P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=job.usage())
         return JSONResponse(resp.model_dump())

@@ -271,9 +271,10 @@ class ModelList(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant message of a chat choice."""
+    """The message of a chat choice: the assistant's, or with add_generation_prompt=false the last message's role
+    (vLLM's get_chat_request_role: chat_completion/serving.py:441-444)."""
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str
 
 

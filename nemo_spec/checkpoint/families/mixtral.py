@@ -8,7 +8,6 @@ from typing import Any, Dict, Mapping
 
 from nemo_spec.checkpoint.families import _llama_like as L
 from nemo_spec.checkpoint.families._base import Family, Limits, WeightMap, is_, not_none
-from nemo_spec.checkpoint.families.llama import ENGINES_REFERENCE_EAGLE1
 from nemo_spec.config import ModelConfig
 
 ARCH = "MixtralForCausalLM"
@@ -42,5 +41,6 @@ FAMILY = Family(
               ("sliding_window_layers", lambda v: v is None, "None (Mixtral's window covers every layer)")),
     auto=lambda c: c.num_moe_experts is not None and not c.qk_layernorm,
     limits=Limits(moe="top-k softmax, renormalised", expert_parallel="yes (allgather dispatcher)",
-                  sliding_window="all layers", engines=ENGINES_REFERENCE_EAGLE1),
+                  sliding_window="all layers",
+                  engines="vllm and sglang (EAGLE-1 only: no aux hidden states), trtllm, reference (EAGLE-1 only)"),
 )

@@ -33,5 +33,6 @@ FAMILY = Family(
               ("qk_layernorm", is_(False), "False"), ("num_moe_experts", is_none, "None")),
     auto=lambda c: c.add_qkv_bias and not c.add_bias_linear and not c.qk_layernorm,
     limits=Limits(sliding_window="per layer (layer_types / max_window_layers)", engines=ENGINES_REFERENCE_EAGLE1,
-                  notes="q/k/v bias: SGLang/TRT-LLM EAGLE-3 drafts have none (reported unsupported)"),
+                  notes="q/k/v bias: SGLang/TRT-LLM EAGLE-3 drafts have none (reported unsupported); "
+                        "SGLang: no DFlash"),
 )

@@ -35,6 +35,34 @@ def engines_for(fmt: str) -> List[str]:
     return [n for n, m in ENGINES.items() if fmt in m.FORMATS]
 
 
+#: base architectures whose model class hands the draft the base's intermediate hidden states (the aux features of
+#: EAGLE-3, P-EAGLE and DFlash drafts), per engine and draft format. vLLM 0.34.0: models that implement
+#: SupportsEagle3 (eagle3_utils.py:18-19 raises for others; dflash and eagle3 use aux hidden states:
+#: v1/worker/gpu/spec_decode/dflash/config.py:50-51, eagle/config.py:69-72) — llama.py:464-470, mistral.py:236
+#: (Llama's), qwen2.py:455-456, qwen3.py:280-281, qwen3_moe.py:543-548; not mixtral.py:375 or gpt2.py:269
+#: (0.33.0, the readers' pinned version, the same: gpu_model_runner.py:5173-5177, mixtral.py:375).
+#: SGLang 0.5.23 (model_runner_components/attention_backend_setup.py:54-71): set_eagle3_layers_to_capture in
+#: models/llama.py:929, qwen2.py:781, qwen3.py:778, qwen3_moe.py:1128 (Mistral: mistral.py:33 is Llama's);
+#: set_dflash_layers_to_capture in llama.py:943, qwen3.py:793, qwen3_moe.py:1145 (not qwen2.py). TensorRT-LLM and
+#: the reference code are checked by their own readers.
+_EAGLE_BASES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM")
+AUX_CAPTURE = {
+    "vllm": {"eagle3": _EAGLE_BASES, "peagle": _EAGLE_BASES, "dflash": _EAGLE_BASES},
+    "sglang": {"eagle3": _EAGLE_BASES,
+               "dflash": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")},
+}
+
+
+def base_unsupported(engine: str, fmt: str, architecture: str) -> Optional[str]:
+    """Why ``engine`` cannot run a ``fmt`` draft on a base of ``architecture`` (None when it can or is unchecked)."""
+    bases = AUX_CAPTURE.get(engine, {}).get(fmt)
+    if bases is None or architecture in bases:
+        return None
+    return (f"{engine} {ENGINES[engine].VERSION}'s {architecture} does not hand a draft the base's intermediate "
+            f"hidden states, which a {fmt} draft reads (bases it serves such drafts on: {list(bases)})")
+
+
 def not_served(engine: str, fmt: str) -> Optional[str]:
     """Why ``engine`` does not serve ``fmt`` at its pinned version (cited), or None when nothing is recorded."""
     return (getattr(ENGINES[engine], "NOT_SERVED", None) or {}).get(fmt)

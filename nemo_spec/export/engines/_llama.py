@@ -213,6 +213,9 @@ class BaseRun:
 def base_forward(base_dir: Path, ids: torch.Tensor, tensors: Optional[Tensors] = None) -> BaseRun:
     """Run the exported HF base in ``base_dir`` on ``ids`` [b, s] (how transformers/vLLM/SGLang compute it)."""
     conf = read_config(base_dir)
+    if "rms_norm_eps" not in conf:  # GPT-2: LayerNorm, GELU, learned positions
+        raise Unsupported(f"the engine readers run Llama-style bases (RMSNorm, RoPE); this base is "
+                          f"{conf.get('architectures') or conf.get('model_type')}, whose run is not modelled here")
     w = tensors if tensors is not None else read_dir(base_dir, ["model.safetensors"])
     eps = float(conf["rms_norm_eps"])
     hd = int(conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"])
