@@ -363,7 +363,8 @@ def test_parallel_drafts_on_a_biased_rope_scaled_base_verify_in_their_engines(al
     exp = export_model(m, tmp_path / alg, dtype="fp32", target="all", verify=True)
     rows = {r.engine: r for r in verify_export(exp, model=m, seq_len=11)}
     ok = {e for e, r in rows.items() if r.status == "ok"}
-    want = {"base", "vllm"} if alg == "peagle" else {"base", "vllm", "sglang", "reference", "trtllm"}
+    # SGLang 0.5.23's Qwen2 captures no DFlash features (models/qwen2.py: no set_dflash_layers_to_capture)
+    want = {"base", "vllm"} if alg == "peagle" else {"base", "vllm", "reference", "trtllm"}
     assert ok == want, format_table(list(rows.values()))
     assert all(r.max_abs_diff < 1e-4 for r in rows.values() if r.status == "ok")
     if alg == "peagle":

@@ -153,7 +153,11 @@ def test_eagle3_pipeline(hf_dirs, kind, tmp_path):
     exp = export_model(model, tmp_path / "exp", dtype="fp32", target="all", verify=True)
     rows = {r.engine: r for r in verify_export(exp, model=model)}
     table = format_table(list(rows.values()))
-    assert all(rows[e].status == "ok" and rows[e].max_abs_diff < 1e-4 for e in ("base", "vllm", "sglang", "trtllm")), table
+    # vLLM's and SGLang's Mixtral give a draft no aux hidden states (vllm 0.34.0 models/mixtral.py:375, no
+    # SupportsEagle3; sglang 0.5.23 models/mixtral.py: no set_eagle3_layers_to_capture): not exported for them
+    served = ("base", "trtllm") if kind == "mixtral" else ("base", "vllm", "sglang", "trtllm")
+    assert all(rows[e].status == "ok" and rows[e].max_abs_diff < 1e-4 for e in served), table
+    assert all(rows[e].status == "unsupported" for e in {"base", "vllm", "sglang", "trtllm"} - set(served)), table
     assert rows["reference"].status == "unsupported", table  # EaModel hard-codes its aux layers (and base classes)
 
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 40]]
