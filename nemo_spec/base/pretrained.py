@@ -50,7 +50,8 @@ def smollm2_config() -> "ModelConfig":
     return ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_attention_heads=9, num_query_groups=3,
                        head_dim=64, ffn_hidden_size=1536, max_position_embeddings=8192, family="llama",
                        normalization="RMSNorm", norm_eps=1e-5, activation="swiglu", position_embedding="rope",
-                       rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                       rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                       eos_token_ids=[2, 0])  # <|im_end|>, and <|endoftext|> as llama.cpp ends generation there
 
 
 #: shapes of the pretrained bases by name (``--preset smollm2`` in the training benchmark)
