@@ -524,7 +524,7 @@ def test_every_listed_eos_id_stops_generation_as_transformers(tmp_path, where):
     from nemo_spec.checkpoint import load_model
     from nemo_spec.inference import SamplingParams, generate
     from nemo_spec.models.gpt import model_config
-    from nemo_spec.serve.models import _eos_ids
+    from nemo_spec.inference.generate import end_of_sequence_ids
 
     ref_model = make_hf_model("llama", tmp_path / "hf", seed=3)
     prompt = [5, 17, 33, 8]
@@ -552,7 +552,7 @@ def test_every_listed_eos_id_stops_generation_as_transformers(tmp_path, where):
     for method in ("ar", "prompt_lookup"):
         res = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=12), method=method)[0]
         assert res.tokens + [eos[1]] == want and res.finish_reason == "stop", method
-    assert _eos_ids(model, None) == eos  # the server's stop ids
+    assert end_of_sequence_ids(model, None) == eos  # the server's stop ids
     out = tmp_path / "exported"  # the list survives our export (config.json + generation_config.json)
     export_hf(model, out)
     assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == eos

@@ -67,7 +67,7 @@ def test_cli_streams_arg_prompt_and_matches_api(ckpt):
 
 def test_cli_stops_at_the_tokenizers_eos_as_the_server_does(ckpt, tmp_path):
     """generate.py stopped only at the model config's end-of-sequence id; a tokenizer whose EOS differs (a chat
-    model's end of turn) ran on past it, while the server stops at both (serve/models.py _eos_ids)."""
+    model's end of turn) ran on past it, while the server stops at both (inference/generate.py end_of_sequence_ids)."""
     from transformers import PreTrainedTokenizerFast
 
     from nemo_spec.checkpoint import load_model

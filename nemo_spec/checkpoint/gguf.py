@@ -244,16 +244,9 @@ def end_of_generation_ids(meta: Mapping[str, Any], tokens: Sequence[str], vocab:
     """The ids llama.cpp stops generation at (``llama_vocab::is_eog``, llama-vocab.cpp:2297-2398): the FIM pad /
     repeat / separator ids, every token whose text is in :data:`EOG_TEXTS`, and the eos, eot and eom ids; with
     ``<|return|>`` and ``<|call|>`` among them, ``<|end|>`` is not one (gpt-oss's harmony format)."""
-    ids: List[int] = []
-    for name in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id"):
-        v = _token_id(meta, name, vocab, source)
-        if v is not None:
-            ids.append(v)
-    ids += [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
-    for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = _token_id(meta, name, vocab, source)
-        if v is not None:
-            ids.append(v)
+    named = (_token_id(meta, f"{name}_token_id", vocab, source)
+             for name in ("fim_pad", "fim_rep", "fim_sep", "eos", "eot", "eom"))
+    ids = [i for i in named if i is not None] + [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
     texts = {tokens[i] for i in ids if i < len(tokens)}
     if {"<|return|>", "<|call|>", "<|end|>"} <= texts:
         ids = [i for i in ids if i >= len(tokens) or tokens[i] != "<|end|>"]
@@ -513,16 +506,9 @@ def _build_gpt2_tokenizer(meta: Mapping[str, Any], source: str) -> Any:
         tok.add_tokens(user)
     # BOS / EOS around the text as the flags say (llama.cpp appends EOS too: llama-cpp-python 0.3.16
     # vendor/llama.cpp/src/llama-vocab.cpp:2129-2139, 2853-2856; transformers passes add_eos_token on)
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    add = [(tokens[int(i)], int(i)) if bool(meta.get(f"tokenizer.ggml.{flag}")) and i is not None else None
-           for flag, i in (("add_bos_token", bos), ("add_eos_token", eos))]
-    if add[0] or add[1]:
-        pre, post = (f"{add[0][0]} " if add[0] else ""), (f" {add[1][0]}" if add[1] else "")
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{pre}$A{post}", pair=f"{pre}$A{post} {pre}$B{post}",
-            special_tokens=list(dict.fromkeys(a for a in add if a)))
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    bos, eos = _added_specials(meta, tokens, source)
+    tok.post_processor = (_bos_eos_template(bos, eos, vocab, second_type=0) if bos or eos
+                          else processors.ByteLevel(trim_offsets=False))
     if tok.get_vocab_size() != len(tokens):
         raise GGUFError(f"{source}: rebuilt tokenizer has {tok.get_vocab_size()} tokens, the file lists {len(tokens)}")
     return tok
@@ -546,12 +532,38 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> List
     return [(a, b) for a, b, _ in merges]
 
 
-def _spm_flags(meta: Mapping[str, Any]) -> Tuple[bool, bool]:
-    """(add_bos_token, add_eos_token) as transformers reads them from a ``llama``-model GGUF."""
-    # transformers 5.24.0 gguf_tokenizer_mapping.py:92-94: a sentencepiece file without the flag adds BOS
-    # (llama.cpp's default); add_eos_token defaults to False (tokenization_utils_tokenizers.py:465).
+def _bos_eos_flags(meta: Mapping[str, Any]) -> Tuple[bool, bool]:
+    """(add_bos_token, add_eos_token) as transformers reads them: absent, add_eos_token is False
+    (tokenization_utils_tokenizers.py:465) and add_bos_token is True for a sentencepiece (``llama``-model) file
+    (transformers 5.24.0 gguf_tokenizer_mapping.py:92-94; llama.cpp's default), False for byte-level BPE."""
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    return bool(True if add_bos is None else add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos is None:
+        add_bos = meta.get("tokenizer.ggml.model") == "llama"
+    return bool(add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False))
+
+
+def _token_text(meta: Mapping[str, Any], tokens: Sequence[str], key: str, source: str) -> Optional[str]:
+    """The token ``tokenizer.ggml.<key>`` names (None when absent; GGUFError as :func:`_token_id`)."""
+    i = _token_id(meta, key, len(tokens), source)
+    return None if i is None else tokens[i]
+
+
+def _added_specials(meta: Mapping[str, Any], tokens: Sequence[str], source: str) -> Tuple[Optional[str], ...]:
+    """(BOS, EOS) the tokenizer puts around a text: each token when its flag is on and the file names it."""
+    return tuple(_token_text(meta, tokens, f"{name}_token_id", source) if add else None
+                 for name, add in zip(("bos", "eos"), _bos_eos_flags(meta)))
+
+
+def _bos_eos_template(bos: Optional[str], eos: Optional[str], vocab: Mapping[str, int], second_type: int) -> Any:
+    """A post-processor putting ``bos`` / ``eos`` (either may be None) around each sequence; the second sequence of a
+    pair takes type id ``second_type``."""
+    from tokenizers import processors
+
+    def seq(x: str, t: int) -> str:
+        return " ".join(([f"{bos}:{t}"] if bos else []) + [f"{x}:{t}"] + ([f"{eos}:{t}"] if eos else []))
+
+    return processors.TemplateProcessing(single=seq("$A", 0), pair=f"{seq('$A', 0)} {seq('$B', second_type)}",
+                                         special_tokens=[(t, vocab[t]) for t in dict.fromkeys((bos, eos)) if t])
 
 
 def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF file") -> Any:
@@ -571,7 +583,7 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
     # remove_space = add_space_prefix).
     # The merges: the file's, else derived from the scores (sentencepiece_merges); bos/eos/unk/pad and CONTROL (3)
     # tokens become special tokens, USER_DEFINED (4) ones plain added tokens (both cut out before normalisation).
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     arch = meta.get("general.architecture")
     if arch in _SPM_OTHER_BUILDERS:
@@ -605,11 +617,8 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
                                     + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     types = list(meta.get("tokenizer.ggml.token_type") or [])
 
-    def token(key: str) -> Optional[str]:
-        i = _token_id(meta, key, len(tokens), source)
-        return None if i is None else tokens[i]
-
-    named = [token(k) for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")]
+    named = [_token_text(meta, tokens, k, source)
+             for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")]
     special_ids = sorted({i for i, ty in enumerate(types) if ty == TOKEN_CONTROL}
                          | {vocab[t] for t in named if t is not None})
     if special_ids:
@@ -617,13 +626,7 @@ def build_sentencepiece_tokenizer(meta: Mapping[str, Any], source: str = "GGUF f
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
     if user:
         tok.add_tokens(user)
-    add_bos, add_eos = _spm_flags(meta)
-    bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
-    specials = ([(bos, vocab[bos])] if add_bos else []) + ([(eos, vocab[eos])] if add_eos else [])
-    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    tok.post_processor = _bos_eos_template(*_added_specials(meta, tokens, source), vocab, second_type=1)
     if tok.get_vocab_size() != len(tokens):
         raise GGUFError(f"{source}: rebuilt tokenizer has {tok.get_vocab_size()} tokens, the file lists {len(tokens)}")
     return tok
@@ -637,21 +640,13 @@ def write_tokenizer_dir(path: PathLike, out_dir: PathLike) -> Path:
     tok = build_tokenizer(meta, str(src))
     tokens = meta["tokenizer.ggml.tokens"]
 
-    def token(key: str) -> Optional[str]:
-        i = _token_id(meta, key, len(tokens), str(src))
-        return None if i is None else tokens[i]
-
-    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    specials = {f"{name}_token": _token_text(meta, tokens, f"{key}_token_id", str(src))
+                for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
     # the added tokens of tokenizer.json, by id (for sentencepiece files the named specials are among them)
     added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
              for t in json.loads(tok.to_str())["added_tokens"]}
     arch = meta.get("general.architecture")
-    if meta.get("tokenizer.ggml.model") == "llama":
-        add_bos, add_eos = _spm_flags(meta)
-    else:
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_bos, add_eos = _bos_eos_flags(meta)
     config: Dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
         # what transformers 4.x reads; 5.x drops these next to a tokenizer.json, whose post-processor adds BOS/EOS

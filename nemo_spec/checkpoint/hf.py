@@ -289,10 +289,12 @@ def is_hf_dir(path: PathLike) -> bool:
     return isinstance(data, dict) and (bool(data.get("architectures")) or isinstance(data.get("model_type"), str))
 
 
-def read_hf_model_config(path: PathLike) -> ModelConfig:
-    """The ModelConfig of an HF directory: config.json, and generation_config.json's end-of-sequence ids."""
+def read_hf_dir_config(path: PathLike) -> Tuple[Dict[str, Any], ModelConfig]:
+    """(config.json dict, ModelConfig) of an HF directory; the ModelConfig takes generation_config.json's
+    end-of-sequence ids."""
     p = Path(path)
-    return with_generation_eos(hf_to_model_config(read_hf_config(p), str(p / "config.json")), p)
+    hf_config = read_hf_config(p)
+    return hf_config, with_generation_eos(hf_to_model_config(hf_config, str(p / "config.json")), p)
 
 
 def with_generation_eos(cfg: ModelConfig, path: PathLike) -> ModelConfig:
@@ -357,8 +359,7 @@ def load_hf(path: PathLike, params_dtype: torch.dtype = torch.float32,
 
     p = Path(path)
     source = str(p / "config.json")
-    hf = read_hf_config(p)
-    cfg = with_generation_eos(hf_to_model_config(hf, source), p)
+    hf, cfg = read_hf_dir_config(p)
     tp_size = parallel.tp_size()
     try:
         cfg.check_tensor_parallel(tp_size)

@@ -191,9 +191,7 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
 
         cfg, hf_cfg = gguf.read_gguf_config(p)
         return {"format": "gguf", "model": cfg.to_dict(), "architectures": hf_cfg["architectures"]}
-    hf = _import_hf()
-    hf_cfg = json.loads((p / "config.json").read_text())
-    cfg = hf.with_generation_eos(hf.hf_to_model_config(hf_cfg, str(p / "config.json")), p)
+    hf_cfg, cfg = _import_hf().read_hf_dir_config(p)
     return {"format": "hf", "model": cfg.to_dict(), "architectures": hf_cfg.get("architectures")}
 
 

@@ -92,8 +92,9 @@ def template_environment() -> Any:
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     """The template in the environment transformers renders chat templates in (``chat_template_utils.py``:
-    sandboxed, ``trim_blocks``/``lstrip_blocks``, loop controls, ``{% generation %}``, ``raise_exception``, ``strftime_now``, a ``tojson``
-    that does not escape HTML); used for tokenizers without transformers' ``apply_chat_template``."""
+    sandboxed, ``trim_blocks``/``lstrip_blocks``, loop controls, ``{% generation %}``, ``raise_exception``,
+    ``strftime_now``, a ``tojson`` that does not escape HTML); used for tokenizers without transformers'
+    ``apply_chat_template``."""
     env = template_environment()
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -189,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     from nemo_spec import parallel
     from nemo_spec.checkpoint import find_tokenizer_dir, load_model
     from nemo_spec.data.chat import load_tokenizer
-    from nemo_spec.inference.generate import generate, get_engine
+    from nemo_spec.inference.generate import end_of_sequence_ids, generate, get_engine
     from nemo_spec.inference.proposers import make_proposer
 
     args = build_parser().parse_args(_bare_compile(sys.argv[1:] if argv is None else argv))
@@ -212,9 +212,9 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     rank0 = parallel.is_rank_zero()
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok_eos, int) and not args.ignore_eos:  # the tokenizer's end of sequence stops too, as in the server
-        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, tok_eos))
+    if not args.ignore_eos:  # the tokenizer's end of sequence stops too, as in the server
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids,
+                                                             *end_of_sequence_ids(model, tokenizer)))
     # text to continue: no special tokens (as benchmark.py); an empty prompt starts from BOS (was the pad id 0,
     # which DFlash drafts use as their mask token)
     all_ids = [tokenizer.encode(p, add_special_tokens=False) or _start_ids(tokenizer) for p in prompts]

@@ -13,6 +13,18 @@ from nemo_spec.inference.proposers import METHODS
 
 log = logging.getLogger(__name__)
 
+
+def end_of_sequence_ids(model: torch.nn.Module, tokenizer: Any = None) -> List[int]:
+    """Every id generation stops at by default: the tokenizer's EOS and the model's (``ModelConfig.stop_token_ids``),
+    in that order — what the server and ``generate.py`` stop at."""
+    from nemo_spec.models.gpt import model_config
+
+    ids: List[int] = []
+    for v in (getattr(tokenizer, "eos_token_id", None), *model_config(model).stop_token_ids()):
+        if isinstance(v, int) and v not in ids:
+            ids.append(v)
+    return ids
+
 _ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
 
 

@@ -16,6 +16,7 @@ from nemo_spec._threads import in_fresh_thread
 from nemo_spec.checkpoint.hf import resolve_dtype
 from nemo_spec.config import ConfigError
 from nemo_spec.data.chat import load_tokenizer
+from nemo_spec.inference.generate import end_of_sequence_ids
 from nemo_spec.models import fastpath
 from nemo_spec.serve.batching import Batcher, SessionBatcher
 from nemo_spec.serve.chat_template import ChatTemplate, ChatTemplateError
@@ -34,16 +35,6 @@ def _model_max_len(model: torch.nn.Module) -> int:
     from nemo_spec.models.gpt import model_config
 
     return int(model_config(model).max_position_embeddings)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> List[int]:
-    from nemo_spec.models.gpt import model_config
-
-    ids = []
-    for v in (getattr(tokenizer, "eos_token_id", None), *model_config(model).stop_token_ids()):
-        if isinstance(v, int) and v not in ids:
-            ids.append(v)
-    return ids
 
 
 @dataclass
@@ -207,9 +198,9 @@ def build_served_model(spec: ModelSpec, max_queue: int = 64, batch_wait_s: float
         _pretune(spec, [model, draft_model], fastpath.MAX_TUNED_ROWS)
         engine = functools.partial(_engine, model, spec.method, spec.options, draft_model, tokenizer)
         batcher = Batcher(engine, tokenizer, spec.max_batch, max_queue, batch_wait_s, metrics, spec.name)
+    eos_ids = end_of_sequence_ids(model, tokenizer)
     served = ServedModel(spec=spec, model=model, tokenizer=tokenizer, template=template, max_context=max_context,
-                         eos_ids=_eos_ids(model, tokenizer) + [t for t in template.end_of_turn_ids()
-                                                               if t not in _eos_ids(model, tokenizer)],
+                         eos_ids=eos_ids + [t for t in template.end_of_turn_ids() if t not in eos_ids],
                          batcher=batcher, draft_model=draft_model)
     log.info("model %r ready: method=%s scheduler=%s max_batch=%d max_context=%d dtype=%s", spec.name, spec.method,
              spec.scheduler, spec.max_batch, max_context, dtype)

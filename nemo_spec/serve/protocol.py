@@ -168,9 +168,9 @@ class ChatCompletionRequest(_Request):
     response_format: Optional[Dict[str, Any]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     # extensions (vLLM's, same meaning: vllm 0.34.0 entrypoints/openai/chat_completion/protocol.py:327-388)
-    echo: bool = False  # the reply starts with the last message's content when that is an assistant message
+    echo: bool = False  # the reply starts with the last message's content when their roles match
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message is left open and continued
+    continue_final_message: bool = False  # the last message is left open and continued (a prefill)
     documents: Optional[List[Dict[str, Any]]] = None  # passed to the template (RAG templates)
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra template variables (e.g. enable_thinking)
     chat_template: Optional[str] = None  # not accepted from clients; see check_supported

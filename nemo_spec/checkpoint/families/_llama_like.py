@@ -229,7 +229,8 @@ def config_errors(source: str) -> Iterator[None]:
 def common_to_hf(cfg: ModelConfig, arch: str, model_type: str) -> Dict[str, Any]:
     """config.json fields every family writes."""
     out = {"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
-           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids or cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids or cfg.eos_token_id,
+           "pad_token_id": cfg.pad_token_id,
            "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_method_std,
            "use_cache": True}
     try:
