@@ -3,7 +3,8 @@ directory (DFlash: engines/dflash.py; P-EAGLE, speculators format with parallel 
 
 Written from the released wheel ``vllm==0.33.0`` (``pip download --no-deps vllm==0.33.0``); line numbers below
 are of that wheel's files. vLLM 0.33 has no Medusa: ``"medusa"`` is not a ``SpeculativeMethod``
-(config/speculative.py:71-82), so Medusa is not claimed.
+(config/speculative.py:71-82), so Medusa is not claimed. vLLM 0.34.0 reads the EAGLE-3, EAGLE-1 and DFlash exports the
+same way (every cited file diffed against 0.33.0: only P-EAGLE's code changed — it is removed, see export/peagle.py).
 """
 from __future__ import annotations
 
