@@ -363,8 +363,9 @@ def test_parallel_drafts_on_a_biased_rope_scaled_base_verify_in_their_engines(al
     exp = export_model(m, tmp_path / alg, dtype="fp32", target="all", verify=True)
     rows = {r.engine: r for r in verify_export(exp, model=m, seq_len=11)}
     ok = {e for e, r in rows.items() if r.status == "ok"}
-    # SGLang 0.5.23's Qwen2 captures no DFlash features (models/qwen2.py: no set_dflash_layers_to_capture)
-    want = {"base", "vllm"} if alg == "peagle" else {"base", "vllm", "reference", "trtllm"}
+    # SGLang 0.5.23's Qwen2 captures no DFlash features (models/qwen2.py: no set_dflash_layers_to_capture), nor does
+    # TensorRT-LLM's (no capture call in its QwenDecoderLayer at the pinned commit; DFlash is one-model only there)
+    want = {"base", "vllm"} if alg == "peagle" else {"base", "vllm", "reference"}
     assert ok == want, format_table(list(rows.values()))
     assert all(r.max_abs_diff < 1e-4 for r in rows.values() if r.status == "ok")
     if alg == "peagle":
@@ -559,11 +560,67 @@ def test_drafts_reading_aux_features_are_not_exported_for_engines_whose_base_cla
           dict(algorithm="dflash", num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=5))
     torch.manual_seed(0)
     model = SpeculativeTransform(**kw)(build_gpt(cfg))
-    for engine in ("vllm", "sglang"):
+    # TensorRT-LLM's MixtralForCausalLM never passes spec_metadata to its layers (modeling_mixtral.py @ b35ac1b64368
+    # L114-146, L203-204): such drafts were exported for it too
+    for engine in ("vllm", "sglang", "trtllm"):
         with pytest.raises(ExportError, match=f"{engine} .*MixtralForCausalLM does not hand a draft the base's "
                                               f"intermediate hidden states"):
             export_model(model, tmp_path / engine, dtype="fp32", target=engine)
+    if algorithm == "eagle3":  # the reference code's KV Mixtral collects no aux states either: nothing can run it
+        with pytest.raises(ExportError, match="no engine can serve this eagle3 draft"):
+            export_model(model, tmp_path / "all", dtype="fp32", target="all")
+        return
     out = export_model(model, tmp_path / "all", dtype="fp32", target="all")
     info = json.loads((out / "export_info.json").read_text())
-    assert "vllm" not in info["engines"] and "sglang" not in info["engines"]
-    assert "intermediate hidden states" in info["skipped_engines"]["vllm"]
+    assert set(info["engines"]) == {"reference"}
+    assert all("intermediate hidden states" in info["skipped_engines"][e] for e in ("vllm", "sglang", "trtllm"))
+
+
+def _hf_base(arch: str, model_type: str, **extra):
+    from nemo_spec.checkpoint.hf import hf_to_model_config
+    from nemo_spec.models import build_gpt
+
+    cfg = hf_to_model_config({"architectures": [arch], "model_type": model_type, "vocab_size": 96, "hidden_size": 64,
+                              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": 2, **extra},
+                             model_type)
+    torch.manual_seed(0)
+    return build_gpt(cfg)
+
+
+def test_trtllm_serves_mistral_eagle3_two_model_and_no_dflash_off_its_one_model_bases(tmp_path):
+    """TensorRT-LLM's MistralForCausalLM is a DecoderModelForCausalLM: its layers capture hidden states but the class
+    holds no draft, so EAGLE-3 runs only in the two-model mode (eagle3_one_model=False; NVIDIA/TensorRT-LLM#6158) —
+    the snippet used the one-model default — and DFlash (one-model only) not at all. Qwen2's layers capture nothing
+    at the pinned commit and the PyTorch backend has no GPT-2; DFlash drafts were exported for all three."""
+    from nemo_spec.speculative import SpeculativeTransform
+
+    dflash = dict(algorithm="dflash", num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=5)
+    mistral = _hf_base("MistralForCausalLM", "mistral", sliding_window=4096)
+    model = SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, aux_layers=[0, 1, 2])(mistral)
+    out = export_model(model, tmp_path / "m3", dtype="fp32", target="trtllm")
+    info = json.loads((out / "export_info.json").read_text())
+    assert info["engines"]["trtllm"]["launch"]["eagle3_one_model"] is False
+    readme = (out / "README.md").read_text()
+    snippet = readme[readme.index("```python\n") + 10:readme.index("```", readme.index("```python\n") + 10)]
+    assert "eagle3_one_model=False" in snippet
+    compile(snippet, "launch", "exec")  # the README's snippet is valid Python
+    assert [r.status for r in verify_export(out, model=model)] == ["ok", "ok"]
+    llama = export_model(SpeculativeTransform(algorithm="eagle3", num_eagle_layers=1, aux_layers=[0, 1, 2])(
+        _hf_base("LlamaForCausalLM", "llama")), tmp_path / "l3", dtype="fp32", target="trtllm")
+    assert "eagle3_one_model" not in (llama / "README.md").read_text()  # the default one-model path
+    assert "eagle3_one_model" not in json.loads((llama / "export_info.json").read_text())["engines"]["trtllm"]["launch"]
+
+    from tests.helpers import tiny_gpt2
+    from nemo_spec.models import build_gpt
+
+    torch.manual_seed(0)
+    bases = {"MistralForCausalLM": _hf_base("MistralForCausalLM", "mistral", sliding_window=4096),
+             "Qwen2ForCausalLM": _hf_base("Qwen2ForCausalLM", "qwen2"),
+             "GPT2LMHeadModel": build_gpt(tiny_gpt2(num_layers=4))}
+    for arch, base in bases.items():
+        with pytest.raises(ExportError, match=f"trtllm .*{arch} does not hand a draft"):
+            export_model(SpeculativeTransform(**dflash)(base), tmp_path / arch, dtype="fp32", target="trtllm")
+    qwen3 = export_model(SpeculativeTransform(**dflash)(_hf_base("Qwen3ForCausalLM", "qwen3", head_dim=16)),
+                         tmp_path / "q3", dtype="fp32", target="trtllm")
+    assert "1.3.0rc14" in (qwen3 / "README.md").read_text()  # the release DFlash needs there, not 1.2.x

@@ -51,8 +51,9 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
         k = spec.get("num_medusa_heads") or 3
     for eng, entry in engines.items():
         mod = ENGINES[eng]
-        cmd = mod.launch_command(fmt, base, root / entry["dir"], k=k,
-                                 capture=(entry.get("launch") or {}).get("eagle3_layers_to_capture"))
+        launch = entry.get("launch") or {}
+        cmd = mod.launch_command(fmt, base, root / entry["dir"], k=k, capture=launch.get("eagle3_layers_to_capture"),
+                                 one_model=launch.get("eagle3_one_model", True))
         lang = "python" if eng == "trtllm" or (eng == "reference" and fmt != "medusa") else "bash"
         lines += [f"## {_TITLES[eng]}", "", f"Checked against {mod.VERSION} by `nemo_spec.export.engines.{eng}` "
                   f"(`scripts/verify_export.py`).", "", f"```{lang}", cmd, "```", ""]

@@ -13,7 +13,6 @@ ARCH = "LlamaForCausalLM"
 #: runs Llama, Qwen2, Qwen3 and Mixtral bases only, and EAGLE-3 drafts on Llama and Qwen3 only:
 #: export/engines/reference.py BASE_ARCHITECTURES, EAGLE3_BASE_ARCHITECTURES)
 ENGINES = "vllm, sglang, trtllm, reference"
-ENGINES_REFERENCE_EAGLE1 = "vllm, sglang, trtllm, reference (EAGLE-1 only)"
 ENGINES_NO_REFERENCE = "vllm, sglang, trtllm"
 
 

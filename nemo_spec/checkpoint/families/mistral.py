@@ -5,7 +5,6 @@ from typing import Any, Dict, Mapping
 
 from nemo_spec.checkpoint.families import _llama_like as L
 from nemo_spec.checkpoint.families._base import Family, Limits, WeightMap, is_, is_none
-from nemo_spec.checkpoint.families.llama import ENGINES_NO_REFERENCE
 from nemo_spec.config import ModelConfig
 
 ARCH = "MistralForCausalLM"
@@ -31,5 +30,6 @@ FAMILY = Family(
               ("qk_layernorm", is_(False), "False"), ("num_moe_experts", is_none, "None"),
               ("sliding_window_layers", is_none, "None (Mistral's window covers every layer)")),
     auto=lambda c: c.sliding_window is not None,
-    limits=Limits(sliding_window="all layers", engines=ENGINES_NO_REFERENCE),
+    limits=Limits(sliding_window="all layers",
+                  engines="vllm, sglang, trtllm (EAGLE-3 in its two-model mode; no DFlash)"),
 )

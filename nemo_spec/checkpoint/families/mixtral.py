@@ -42,5 +42,6 @@ FAMILY = Family(
     auto=lambda c: c.num_moe_experts is not None and not c.qk_layernorm,
     limits=Limits(moe="top-k softmax, renormalised", expert_parallel="yes (allgather dispatcher)",
                   sliding_window="all layers",
-                  engines="vllm and sglang (EAGLE-1 only: no aux hidden states), trtllm, reference (EAGLE-1 only)"),
+                  engines="vllm and sglang (EAGLE-1 only: no aux hidden states), reference (EAGLE-1 only); "
+                          "trtllm: none (no aux hidden states)"),
 )

@@ -6,7 +6,6 @@ from typing import Any, Dict, Mapping
 
 from nemo_spec.checkpoint.families import _llama_like as L
 from nemo_spec.checkpoint.families._base import Family, Limits, WeightMap, is_, is_none
-from nemo_spec.checkpoint.families.llama import ENGINES_REFERENCE_EAGLE1
 from nemo_spec.config import ModelConfig
 
 ARCH = "Qwen2ForCausalLM"
@@ -32,7 +31,7 @@ FAMILY = Family(
               ("add_qkv_bias", is_(True), "True"), ("add_bias_linear", is_(False), "False"),
               ("qk_layernorm", is_(False), "False"), ("num_moe_experts", is_none, "None")),
     auto=lambda c: c.add_qkv_bias and not c.add_bias_linear and not c.qk_layernorm,
-    limits=Limits(sliding_window="per layer (layer_types / max_window_layers)", engines=ENGINES_REFERENCE_EAGLE1,
+    limits=Limits(sliding_window="per layer (layer_types / max_window_layers)", engines="vllm, sglang, reference (EAGLE-1 only); trtllm: none",
                   notes="q/k/v bias: SGLang/TRT-LLM EAGLE-3 drafts have none (reported unsupported); "
-                        "SGLang: no DFlash"),
+                        "SGLang, TRT-LLM: no DFlash"),
 )

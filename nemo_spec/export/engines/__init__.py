@@ -43,14 +43,26 @@ def engines_for(fmt: str) -> List[str]:
 #: (0.33.0, the readers' pinned version, the same: gpu_model_runner.py:5173-5177, mixtral.py:375).
 #: SGLang 0.5.23 (model_runner_components/attention_backend_setup.py:54-71): set_eagle3_layers_to_capture in
 #: models/llama.py:929, qwen2.py:781, qwen3.py:778, qwen3_moe.py:1128 (Mistral: mistral.py:33 is Llama's);
-#: set_dflash_layers_to_capture in llama.py:943, qwen3.py:793, qwen3_moe.py:1145 (not qwen2.py). TensorRT-LLM and
-#: the reference code are checked by their own readers.
+#: set_dflash_layers_to_capture in llama.py:943, qwen3.py:793, qwen3_moe.py:1145 (not qwen2.py).
+#: TensorRT-LLM (PyTorch backend; its targets capture through SpecMetadata.maybe_capture_hidden_states, called by the
+#: decoder layers): Llama, Qwen3 and Qwen3-MoE layers call it and their classes are SpecDecOneEngineForCausalLM (the
+#: one-model path, the default); Mistral's layers call it but MistralForCausalLM is a DecoderModelForCausalLM, so
+#: EAGLE-3 runs there in the two-model mode only (eagle3_one_model=False, written into its launch snippet; NVIDIA/
+#: TensorRT-LLM#6158) and DFlash, which is one-model only (SpecDecOneEngineForCausalLM.__init__ @ 00679c66 attaches
+#: the external drafter), not at all. MixtralForCausalLM never passes spec_metadata to its layers
+#: (modeling_mixtral.py @ b35ac1b64368 L114-146, L203-204); Qwen2's QwenDecoderLayer has no capture call at the
+#: pinned commit (added later, TensorRT-LLM#10091); there is no GPT-2 model in the PyTorch backend at all. The
+#: reference code is checked by its own reader.
 _EAGLE_BASES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Qwen3MoeForCausalLM")
+_TRTLLM_ONE_MODEL = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: bases TensorRT-LLM serves EAGLE-3 drafts on only with the two-model path (``eagle3_one_model=False``)
+TRTLLM_TWO_MODEL = ("MistralForCausalLM",)
 AUX_CAPTURE = {
     "vllm": {"eagle3": _EAGLE_BASES, "peagle": _EAGLE_BASES, "dflash": _EAGLE_BASES},
     "sglang": {"eagle3": _EAGLE_BASES,
                "dflash": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")},
+    "trtllm": {"eagle3": _TRTLLM_ONE_MODEL + TRTLLM_TWO_MODEL, "dflash": _TRTLLM_ONE_MODEL},
 }
 
 
@@ -59,8 +71,8 @@ def base_unsupported(engine: str, fmt: str, architecture: str) -> Optional[str]:
     bases = AUX_CAPTURE.get(engine, {}).get(fmt)
     if bases is None or architecture in bases:
         return None
-    return (f"{engine} {ENGINES[engine].VERSION}'s {architecture} does not hand a draft the base's intermediate "
-            f"hidden states, which a {fmt} draft reads (bases it serves such drafts on: {list(bases)})")
+    return (f"{engine} {ENGINES[engine].VERSION}: its {architecture} does not hand a draft the base's intermediate "
+            f"hidden states, which {fmt} drafts read (bases it serves such drafts on: {list(bases)})")
 
 
 def not_served(engine: str, fmt: str) -> Optional[str]:

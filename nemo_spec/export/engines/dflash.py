@@ -274,7 +274,9 @@ def launch_command(engine: str, base_dir: Path, draft_dir: Path, block_size: int
         return (f"python -m sglang.launch_server --model-path {base_dir} \\\n  --speculative-algorithm DFLASH "
                 f"--speculative-draft-model-path {draft_dir} --speculative-num-draft-tokens {block_size}")
     if engine == "trtllm":  # llm_args.py DFlashDecodingConfig; its block is max_draft_len + 1 slots
-        return ("from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import DFlashDecodingConfig\n"
+        return ("# TensorRT-LLM with DFlash: merged 2026-04-27 (NVIDIA/TensorRT-LLM#12794), in the 1.3.0 release\n"
+                "# candidates from 1.3.0rc14 on; the 1.2.x releases have no DFlashDecodingConfig\n"
+                "from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import DFlashDecodingConfig\n"
                 f"spec = DFlashDecodingConfig(max_draft_len={block_size - 1}, speculative_model='{draft_dir}')\n"
                 f"llm = LLM(model='{base_dir}', speculative_config=spec)")
     return ("from dflash.model import DFlashDraftModel  # z-lab/dflash\n"

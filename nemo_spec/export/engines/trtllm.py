@@ -16,8 +16,8 @@ Cited by function from the nearest stored snapshot, flagged "(unpinned)" where u
       sorting) and maybe_capture_hidden_states (saves hidden_states + residual = the layer's output)
   [A] tensorrt_llm/_torch/models/modeling_auto.py (EAGLE-3 architecture rewrite on draft_vocab_size)
   [L] tensorrt_llm/llmapi/llm_args.py, EagleDecodingConfig.num_capture_layers / eagle3_layers_to_capture
-      (``speculative_model_dir`` is an alias of ``speculative_model`` there; ``eagle3_one_model`` defaults to True
-      and False is deprecated)
+      (``speculative_model_dir`` is an alias of ``speculative_model`` there; ``eagle3_one_model`` defaults to True,
+      the one-model path; False, the two-model path, is what Mistral bases need: engines/__init__.py)
 At [S], load_weights only prefixes ``model.`` ([S] L301-305), so the names are the module names, ``midlayer.*``
 for one layer and ``midlayer.{i}.*`` for several ([S] L171-177); it reads no ``eagle_config`` and EVERY draft
 layer has input_layernorm, hidden_norm and a 2h-input qkv ([S] L56, L97-107, L119-122). A multi-layer draft
@@ -238,14 +238,17 @@ def draft_logits(fmt: str, draft_dir: Path, base: BaseRun, ids: torch.Tensor,
 
 
 def launch_command(fmt: str, base_dir: Path, draft_dir: Path, k: int = 3,
-                   capture: Optional[Sequence[int]] = None, **_: Any) -> str:
-    """Python LLM-API snippet for this export."""
+                   capture: Optional[Sequence[int]] = None, one_model: bool = True, **_: Any) -> str:
+    """Python LLM-API snippet for this export (``one_model=False``: the two-model path, for bases whose
+    TensorRT-LLM class holds no draft)."""
     if fmt == "dflash":
         from nemo_spec.export.engines.dflash import launch_command as dflash_launch
 
         return dflash_launch("trtllm", base_dir, draft_dir, block_size=k)
     layers = "{" + ", ".join(str(i) for i in capture) + "}" if capture else "None"
-    return ("from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import EagleDecodingConfig\n"
+    two = "" if one_model else ",\n                           eagle3_one_model=False"
+    note = "" if one_model else "# this base's TensorRT-LLM class runs EAGLE-3 drafts in the two-model mode only\n"
+    return ("from tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import EagleDecodingConfig\n" + note +
             f"spec = EagleDecodingConfig(max_draft_len={k}, speculative_model_dir='{draft_dir}',\n"
-            f"                           eagle3_layers_to_capture={layers})\n"
+            f"                           eagle3_layers_to_capture={layers}{two})\n"
             f"llm = LLM(model='{base_dir}', speculative_config=spec)")
