@@ -63,3 +63,20 @@ def function_changing_settings(get: Callable[[str], Any], gated: bool, fused_glu
     if get("qk_l2_norm") and qk_l2_norm_applies:
         out.append(("qk_l2_norm", True, "L2-normalised queries and keys"))
     return out
+
+
+#: megatron-core / NeMo activation functions that compute GELU's tanh approximation (megatron.core.activations
+#: fast_gelu, transformer/utils.py gelu_impl / openai_gelu, the fused bias_gelu_impl; nemo_spec's own gelu_tanh)
+TANH_GELU = ("gelu_tanh", "openai_gelu", "fast_gelu", "gelu_impl", "bias_gelu_impl")
+
+
+def activation(name: str, gated: bool, bias_activation_fusion: bool) -> Optional[str]:
+    """Our ``ModelConfig.activation`` for a megatron-core MLP with ``activation_func`` named ``name`` (None when no
+    activation of ours computes it). With ``bias_activation_fusion`` megatron's MLP runs a non-gated ``F.gelu``
+    through its fused bias-GELU kernel, which is the tanh approximation, not ``F.gelu``'s erf (transformer/mlp.py
+    forward, fusions/fused_bias_gelu.py:17-19); NeMo's Starcoder/Starcoder2 and GPTConfig126M-175B set it."""
+    if gated:
+        return "swiglu" if name == "silu" else None
+    if name == "gelu":
+        return "gelu" if bias_activation_fusion else "gelu_exact"
+    return "gelu" if name in TANH_GELU else None

@@ -360,3 +360,18 @@ def test_configs_transformers_reads_otherwise_are_refused(hf_dirs, tmp_path):
     with pytest.raises(HFCheckpointError, match="tie_word_embeddings is true but the stored lm_head.weight differs"):
         load_hf(tied)
 
+
+def test_no_family_error_names_the_models_own_family_reason():
+    """The refusal kept only the last three families' reasons: for a GPT-2-style model with grouped KV heads it
+    listed why Qwen2, Mistral and Llama (other layer families) cannot hold it and hid GPT-2's (NeMo review)."""
+    import dataclasses
+
+    from nemo_spec.checkpoint.families import FamilyError, family_for_export
+    from tests.helpers import tiny_gpt2, tiny_llama
+
+    with pytest.raises(FamilyError, match=r"hold this model: ModelConfig.num_query_groups=1 cannot be exported as "
+                                          r"GPT2LMHeadModel \(needs 4\)$"):
+        family_for_export(dataclasses.replace(tiny_gpt2(), num_query_groups=1))
+    with pytest.raises(FamilyError, match=r"normalization='LayerNorm' cannot be exported as (\w+, ){5}"
+                                          r"LlamaForCausalLM \(needs 'RMSNorm'\)$"):  # one line for the six
+        family_for_export(dataclasses.replace(tiny_llama(), add_bias_linear=True, normalization="LayerNorm"))

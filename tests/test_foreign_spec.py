@@ -8,6 +8,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -175,13 +176,35 @@ def test_conversion_refuses_what_it_cannot_represent():
     ({}, {"position_embedding_type": "none"}, "position_embedding_type='none'"),
     ({"softmax_scale": 0.5}, {}, "softmax_scale=0.5"), ({"no_rope_freq": [0, 0, 1]}, {}, r"no_rope_freq=\[0, 0, 1\]"),
     ({"gated_linear_unit": False}, {}, "activation_func=silu without gated_linear_unit"),
-    ({"activation_func": F.gelu}, {}, "gated_linear_unit with activation_func=gelu")])
+    ({"activation_func": F.gelu}, {}, "gated_linear_unit with activation_func=gelu"),
+    # Nemotron's squared ReLU was refused only by the logit check's numbers (NeMo families review)
+    ({"gated_linear_unit": False, "activation_func": squared_relu}, {},
+     "activation_func=squared_relu without gated_linear_unit")])
 def test_conversion_names_each_option_it_cannot_represent(config, gpt_kw, words):
     """From a review: a sliding window was dropped silently (a different model; the 16-token logit check cannot see
     a window of 16 or more), rotary_percent was refused as 'scaled RoPE?', the others as 'does not reproduce its
     logits' (or, for 'none', converted to learned positions). Each is now refused by name, before any weights move."""
     with pytest.raises(ForeignSpecError, match=words):
         to_project_spec(local_spec_gpt(seed=8, gpt_kw=gpt_kw, **config))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gelu_through_megatrons_fused_bias_gelu_is_the_tanh_approximation(fused):
+    """NeMo's Starcoder / Starcoder2 and GPTConfig126M-175B keep ``activation_func=F.gelu`` with
+    ``bias_activation_fusion=True``: megatron's MLP then runs its fused bias-GELU kernel, the tanh approximation
+    (megatron/core/fusions/fused_bias_gelu.py:17-19), and nemo_spec read it as the exact (erf) GELU — a different
+    model (NeMo families review: 1 of 40 greedy tokens differed; at this weight scale the conversion was refused
+    by the logit check). Without the fusion it is the exact GELU."""
+    gpt = local_spec_gpt(seed=9, gpt_kw={"position_embedding_type": "learned_absolute"}, spec_kw={"qk_layernorm": False},
+                         gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True,
+                         bias_activation_fusion=fused, num_query_groups=4,
+                         init_method_std=0.3).eval()
+    conv = to_project_spec(gpt)
+    assert conv.nemo_spec_config.activation == ("gelu" if fused else "gelu_exact")
+    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want, got = own_forward(gpt, ids), gpt_forward(conv, ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
 
 
 def test_seq_len_interpolation_converts_as_linear_rope_scaling():

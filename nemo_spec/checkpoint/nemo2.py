@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from nemo_spec._mcore import function_changing_settings
+from nemo_spec._mcore import activation, function_changing_settings
 from nemo_spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -120,18 +120,10 @@ def model_config_from_yaml(c: Dict[str, Any], vocab: int, source: str) -> ModelC
     if norm not in ("LayerNorm", "RMSNorm"):
         raise unsupported(f"normalization {norm!r}", "normalization")
     act_name = _target(c.get("activation_func")).rsplit(".", 1)[-1]
-    if gated:
-        if act_name != "silu":
-            raise unsupported(f"gated MLP with {act_name}", "activation_func")
-        act = "swiglu"
-    elif act_name == "gelu":
-        act = "gelu_exact"
-    elif act_name in ("openai_gelu", "fast_gelu", "bias_gelu_impl", "gelu_impl", "quick_gelu"):
-        if act_name == "quick_gelu":
-            raise unsupported("quick GELU", "activation_func")
-        act = "gelu"
-    else:
-        raise unsupported(f"activation {act_name or c.get('activation_func')!r}", "activation_func")
+    act = activation(act_name, gated, bool(c.get("bias_activation_fusion")))
+    if act is None:
+        raise unsupported(f"gated MLP with {act_name}" if gated else
+                          f"activation {act_name or c.get('activation_func')!r}", "activation_func")
     rope_scaling = None
     if c.get("rope_scaling") and c.get("seq_len_interpolation_factor"):
         raise unsupported("Llama 3 RoPE scaling (config.rope_scaling=True) and a sequence length interpolation together",

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from nemo_spec._mcore import function_changing_settings
+from nemo_spec._mcore import activation, function_changing_settings
 from nemo_spec.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,6 @@ def _interpolation(gpt: torch.nn.Module) -> Optional[float]:
 def conversion_problems(gpt: torch.nn.Module) -> List[str]:
     """What of ``gpt``'s architecture nemo_spec's layer spec cannot represent (empty when it converts); each names
     the option, so that nothing is converted into a silently different model."""
-    import torch.nn.functional as F
 
     c = gpt.config
     problems = []
@@ -195,11 +194,11 @@ def conversion_problems(gpt: torch.nn.Module) -> List[str]:
     interp = _interpolation(gpt)
     if interp and getattr(c, "scale_factor", None) and getattr(c, "old_context_len", None):
         problems.append(f"seq_len_interpolation_factor={interp} together with Llama-3.1 RoPE scaling")
-    act = c.activation_func
-    if c.gated_linear_unit and act is not F.silu:
-        problems.append(f"gated_linear_unit with activation_func={getattr(act, '__name__', act)} (only SwiGLU)")
-    if not c.gated_linear_unit and act in (F.silu, F.relu):
-        problems.append(f"activation_func={act.__name__} without gated_linear_unit (only GELU)")
+    act = getattr(c.activation_func, "__name__", str(c.activation_func))
+    if activation(act, bool(c.gated_linear_unit), bool(getattr(c, "bias_activation_fusion", False))) is None:
+        problems.append(f"gated_linear_unit with activation_func={act} (only SwiGLU)" if c.gated_linear_unit else
+                        f"activation_func={act} without gated_linear_unit (only GELU: exact, or its tanh "
+                        f"approximation)")
     if getattr(gpt, "mtp_process", False):
         problems.append("multi-token-prediction layers")
     return problems

@@ -22,6 +22,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from nemo_spec import parallel
+from nemo_spec._mcore import activation as mcore_activation
 from nemo_spec.config import ALGORITHMS, ConfigError, ModelConfig, SpeculativeConfig
 from nemo_spec.speculative.model import SpeculativeGPT
 
@@ -293,8 +294,6 @@ def _find_holder(root: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], str,
 
 def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
     """Best-effort ModelConfig for a GPTModel not built by nemo_spec (e.g. NeMo 2's ``module``)."""
-    import torch.nn.functional as F
-
     c = gpt.config
     tp = c.tensor_model_parallel_size
     vocab = getattr(gpt, "vocab_size", None) or gpt.embedding.word_embeddings.weight.shape[0] * tp
@@ -321,10 +320,10 @@ def model_config_from_megatron(gpt: GPTModel) -> ModelConfig:
         elif getattr(gpt.rotary_pos_emb, "seq_len_interpolation_factor", None):
             # megatron divides the positions by it (rotary_pos_embedding.py): HF 'linear' scaling
             rope_scaling = {"rope_type": "linear", "factor": float(gpt.rotary_pos_emb.seq_len_interpolation_factor)}
-    if c.gated_linear_unit:
-        activation = "swiglu"
-    else:
-        activation = "gelu_exact" if c.activation_func is F.gelu else "gelu"
+    # None: none of ours computes it (squared ReLU, ...). The model still trains through its own forward; a
+    # conversion to our layer spec (generation, save, export) is refused naming it (foreign.conversion_problems).
+    activation = mcore_activation(getattr(c.activation_func, "__name__", ""), bool(c.gated_linear_unit),
+                                  bool(getattr(c, "bias_activation_fusion", False))) or "gelu"
     return ModelConfig(
         vocab_size=int(vocab), hidden_size=c.hidden_size, num_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads, ffn_hidden_size=c.ffn_hidden_size,

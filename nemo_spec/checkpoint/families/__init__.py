@@ -7,7 +7,8 @@ family whose ``requires`` hold and whose ``auto`` accepts it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+import re
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from nemo_spec.checkpoint.families import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from nemo_spec.checkpoint.families._base import (
@@ -77,7 +78,17 @@ def family_for_export(cfg: ModelConfig, architecture: Optional[str] = None) -> F
             return fam
         if why is not None:
             reasons.append(why)
-    raise FamilyError("no Hugging Face architecture can hold this model: " + "; ".join(reasons[-3:]))
+    # the families of another layer family (Llama's for a GPT-2-style model) only say so: name what keeps the
+    # model out of its own family's architectures (the last three reasons had hidden GPT-2's, a review found)
+    own = [r for r in reasons if not r.startswith("ModelConfig.family=")] or reasons
+    merged: Dict[Tuple[str, str], List[str]] = {}  # one line per (field=value, need) over the architectures
+    for r in own:
+        m = re.fullmatch(r"(.*) cannot be exported as (\w+) (\(needs .*\))", r)
+        key = (m.group(1), m.group(3)) if m else (r, "")
+        merged.setdefault(key, []).append(m.group(2) if m else "")
+    raise FamilyError("no Hugging Face architecture can hold this model: " + "; ".join(
+        f"{what} cannot be exported as {', '.join(archs)} {need}" if need else what
+        for (what, need), archs in merged.items()))
 
 
 SUPPORT_COLUMNS = ("Architecture", "model_type", "TP", "MoE", "EP", "Sliding window", "Draft export engines", "Notes")
