@@ -561,7 +561,7 @@ def test_drafts_reading_aux_features_are_not_exported_for_engines_whose_base_cla
     torch.manual_seed(0)
     model = SpeculativeTransform(**kw)(build_gpt(cfg))
     # TensorRT-LLM's MixtralForCausalLM never passes spec_metadata to its layers (modeling_mixtral.py @ b35ac1b64368
-    # L114-146, L203-204): such drafts were exported for it too
+    # MixtralModel.forward): such drafts were exported for it too
     for engine in ("vllm", "sglang", "trtllm"):
         with pytest.raises(ExportError, match=f"{engine} .*MixtralForCausalLM does not hand a draft the base's "
                                               f"intermediate hidden states"):
