@@ -50,9 +50,9 @@ def engines_for(fmt: str) -> List[str]:
 #: EAGLE-3 runs there in the two-model mode only (eagle3_one_model=False, written into its launch snippet; NVIDIA/
 #: TensorRT-LLM#6158) and DFlash, which is one-model only (SpecDecOneEngineForCausalLM.__init__ @ 00679c66 attaches
 #: the external drafter), not at all. MixtralForCausalLM never passes spec_metadata to its layers
-#: (modeling_mixtral.py @ b35ac1b64368: MixtralModel.forward, MixtralForCausalLM); Qwen2's QwenDecoderLayer has no capture call at the
-#: pinned commit (added later, TensorRT-LLM#10091); there is no GPT-2 model in the PyTorch backend at all. The
-#: reference code is checked by its own reader.
+#: (modeling_mixtral.py @ b35ac1b64368: MixtralModel.forward, MixtralForCausalLM); Qwen2's QwenDecoderLayer has no
+#: capture call at the pinned commit (added later, TensorRT-LLM#10091); there is no GPT-2 model in the PyTorch
+#: backend at all. The reference code is checked by its own reader.
 _EAGLE_BASES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Qwen3MoeForCausalLM")
 _TRTLLM_ONE_MODEL = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
