@@ -622,6 +622,32 @@ def test_import_draft_refuses_a_draft_of_other_settings(exported, tmp_path):
                                                                  list(w.items()) if k.startswith("layers.1.")})))
 
 
+@pytest.mark.parametrize("change,words", [
+    ({"dflash_config": {"causal": True}}, "causal attention"),
+    ({"is_causal": True}, "causal attention"),
+    ({"layer_types": ["sliding_attention", "sliding_attention"]}, "causal attention .* and sliding-window attention"),
+    ({"dflash_config": {"use_swa": True}}, "sliding-window attention")])
+def test_import_draft_refuses_causal_or_sliding_window_drafts(exported, tmp_path, change, words):
+    """DFlash drafts whose layers run causally or over a window (vLLM reads is_causal, dflash_config.causal /
+    use_swa and layer_types: qwen3_dflash.py:86-115 @ 0.34.0; speculators' trainer writes sliding causal layers by
+    default) imported as nemo_spec's bidirectional full-context draft: another function (logits off by 4.2)."""
+    import json
+    import shutil
+
+    from nemo_spec.export import ExportError, import_draft
+
+    _, d = exported
+    out = tmp_path / "e"
+    shutil.copytree(d, out)
+    for p in (out / "draft").glob("*/config.json"):
+        conf = json.loads(p.read_text())
+        for k, v in change.items():
+            conf[k] = {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+        p.write_text(json.dumps(conf))
+    with pytest.raises(ExportError, match=words):
+        import_draft(_model(seed=9), out)
+
+
 def test_offline_base_states_give_the_online_loss():
     from nemo_spec.training.offline import base_output_from_batch
 

@@ -122,6 +122,20 @@ def dflash_from_hf(tensors: Mapping[str, torch.Tensor], conf: Mapping[str, Any],
     if bad:
         raise ExportError("config.json does not describe this model's DFlash draft: " + "; ".join(bad)
                           + " -- transform the base with the export's settings")
+    # nemo_spec's DFlash layers (z-lab's) attend both ways over the whole context. vLLM runs a layer causally when
+    # is_causal, else dflash_config.causal, else its layer_types entry says sliding_attention, and with a window on
+    # dflash_config.use_swa or a sliding_attention layer (qwen3_dflash.py:86-115 @ 0.34.0); speculators' trainer
+    # writes such drafts by default. They imported as another function (max logit error 4.2: review).
+    types = list(conf.get("layer_types") or [])
+    causal = conf.get("is_causal") if conf.get("is_causal") is not None else dcfg.get("causal")
+    how = []
+    if causal or (causal is None and "sliding_attention" in types):
+        how.append("causal attention (is_causal / dflash_config.causal / layer_types)")
+    if dcfg.get("use_swa") or "sliding_attention" in types:
+        how.append("sliding-window attention (dflash_config.use_swa / layer_types)")
+    if how:
+        raise ExportError(f"the DFlash draft runs {' and '.join(how)}; nemo_spec's DFlash draft attends both ways "
+                          f"over the whole context (z-lab's): not supported")
     lcfg = dflash_layer_model_config(cfg)
     out = {"fc.weight": _need(tensors, "fc.weight"), "hidden_norm.weight": _need(tensors, "hidden_norm.weight"),
            "final_layernorm.weight": _need(tensors, "norm.weight")}

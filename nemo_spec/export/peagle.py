@@ -92,7 +92,7 @@ def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[s
     The file must be this draft's: same mask token, same captured aux layers (vLLM numbering), and an
     ``embed_tokens`` that is the base table except the mask row (our draft embeds every other token with the base's).
     """
-    from nemo_spec.export.eagle import captured_layers, eagle3_from_reference
+    from nemo_spec.export.eagle import captured_layers, eagle3_from_reference, file_options
     from nemo_spec.export.formats import ExportError
 
     h = cfg.hidden_size
@@ -113,10 +113,20 @@ def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[s
     mh = tensors["mask_hidden"]
     if mh.numel() != 3 * h:
         raise ExportError(f"mask_hidden has {mh.numel()} values, expected {3 * h}")
-    # the file's fc / mask_hidden are over the sorted captured layers; our draft's over ``aux`` (eagle3 helper)
-    layer_conf = dict(conf, nemo_spec_aux={"aux_layers": list(aux), "captured": list(uniq)})
+    # the file's fc / mask_hidden are over the sorted captured layers; our draft's over ``aux`` (eagle3 helper).
+    # norm_output only picks the hidden state an EAGLE-3 chain feeds back (vllm llama_eagle3.py:285-286); a P-EAGLE
+    # forward ends in lm_head(norm(h)) either way (speculators models/peagle/core.py:186-188), and speculators
+    # writes norm_output=false into every P-EAGLE config it saves: it had refused them all.
+    layer_conf = {k: v for k, v in conf.items() if k != "norm_output"}
+    layer_conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq)}
+    opts = file_options(layer_conf)  # absent: false, as vLLM's update_peagle reads them (speculators/algos.py:53-88)
+    used = sorted(k for k, v in opts.items() if v and k != "norm_output")
+    if used:  # imported as it was, these drafts drafted other tokens (max logit error 3.1: review)
+        raise ExportError(f"the P-EAGLE draft was trained with {', '.join(f'{k}=true' for k in used)} (the "
+                          f"speculators trainer's default for norm_before_residual), which nemo_spec's P-EAGLE draft "
+                          f"does not compute: not supported")
     rest = {k: v for k, v in tensors.items() if k not in ("mask_hidden", "embed_tokens.weight")}
-    out = eagle3_from_reference(rest, layer_conf, cfg)
+    out = eagle3_from_reference(rest, layer_conf, cfg, options={k: False for k in opts})
     blocks = mh.reshape(3, h)
     out["mask_hidden"] = torch.cat([blocks[uniq.index(layer)] for layer in aux]).reshape(1, 1, 3 * h)
     base = base_embed.detach().cpu()

@@ -11,8 +11,15 @@ OUT_DIR gets:
                         LlamaForCausalLMEagle3 math), aux ids [2, 4, 5] (vLLM numbering = 0-based outputs [1, 3, 4])
   speculators_default/  the speculators trainer's eagle3 defaults: 1 layer, full vocabulary, the three norm options
                         True (train/config/schema.py:145-148, 791-794), aux ids [1, 3, 6] (0-based outputs [0, 2, 5])
-  reference.pt          {"input_ids", "base_layer_outputs", "drafts": {name: {..., "logits_ttt": [3 x [1, S-1, Vd]]}}}:
-                        logits_ttt[0] is one draft pass of speculators' own forward (its lm_head output, hooked)
+  peagle_llama/         P-EAGLE (PEagleDraftModel), 2 Llama layers, draft vocabulary 64, aux ids [2, 4, 5], mask 7,
+                        4 depths, only the mask row of the embedding table changed
+  peagle_nbr/           the same with norm_before_residual (1 layer, full vocabulary)
+  peagle_default/       the speculators trainer's P-EAGLE defaults: Qwen3 layers, norm_before_residual, the whole
+                        embedding table trained
+  reference.pt          {"input_ids", "base_layer_outputs", "drafts": {name: {..., "logits_ttt": [3 x [1, S-1, Vd]]}},
+                         "peagle": {name: {..., "anchor", "depth", "logits": [elements, Vd]}}}:
+                        logits_ttt[0] is one draft pass of speculators' own forward (its lm_head output, hooked);
+                        a P-EAGLE element (anchor t, depth d) predicts x_{t+d+2}
 
 Each draft's weights are rounded to bf16 before the reference forward, so the bf16 files hold exactly the weights the
 reference logits were computed with.
@@ -136,6 +143,69 @@ def make_speculators(name, base, ids, layer_out, *, num_layers, aux_ids, draft_v
     }
 
 
+# ------------------------------------------------------------------------------------------------ P-EAGLE
+MASK, DEPTHS = 7, 4  # the mask token; P-EAGLE depths 0..3
+
+
+def _every_chain(seq_length, **_):
+    """Replaces COD sampling (models/peagle/core.py generate_cod_sample_indices): depth 0 keeps every position,
+    depth d the anchors 0 .. seq_length-1-d."""
+    anchors = [torch.arange(seq_length)] + [torch.arange(seq_length - d) for d in range(1, DEPTHS)]
+    return torch.cat(anchors), torch.cat([torch.full((len(a),), d, dtype=torch.long) for d, a in enumerate(anchors)])
+
+
+def make_peagle(name, ids, layer_out, *, arch, num_layers, aux_ids, draft_vocab, nbr, whole_table):
+    """speculators 0.9.0's PEagleDraftModel.from_training_args (train/cli.py build_draft_model), its own forward over
+    every (anchor, depth) element with the lm_head output hooked, saved as its trainer saves (train/checkpointer.py)."""
+    import speculators.models.peagle.core as pcore
+    from speculators.losses import resolve_loss_config
+    from speculators.models.peagle import PEagleDraftModel
+    from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    torch.manual_seed(0)
+    base_dir = str(OUT / "base")
+    tl = create_transformer_layer_config(verifier_name_or_path=base_dir, num_layers=num_layers, draft_arch=arch,
+                                         hidden_act="silu", sliding_window=2048,
+                                         full_attention_indices=list(range(num_layers)))
+    d2t = t2d = None
+    if draft_vocab != V:
+        freq = {int(t): int(c) for t, c in enumerate(torch.randint(1, 1000, (V,), generator=torch.Generator()
+                                                                   .manual_seed(7)))}
+        d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, V)
+    model = PEagleDraftModel.from_training_args(
+        verifier_config=tl, t2d=t2d, d2t=d2t, verifier_name_or_path=base_dir, target_layer_ids=list(aux_ids),
+        draft_vocab_size=draft_vocab, norm_before_residual=nbr, norm_before_fc=False, norm_output=False,
+        mask_token_id=MASK, num_depths=DEPTHS, draft_attn_impl="sdpa").eval()
+    g = torch.Generator().manual_seed(21 + num_layers + nbr)
+    randomise_(model, g, skip=("embed_tokens", "verifier_"))
+    with torch.no_grad():  # the table trains in speculators (embed_requires_grad, peagle/config.py:35-43)
+        if whole_table:
+            model.embed_tokens.weight.add_(0.05 * torch.randn(model.embed_tokens.weight.shape, generator=g))
+        else:  # only the mask token's row learned
+            model.embed_tokens.weight[MASK] = torch.randn(H, generator=g)
+    bf16_exact_(model)
+    feats = torch.cat([layer_out[j - 1] for j in aux_ids], -1)  # vLLM id j = output of 0-based layer j-1
+    got, hook = capture_lm_head(model.lm_head)
+    orig, pcore.generate_cod_sample_indices = pcore.generate_cod_sample_indices, _every_chain
+    try:  # the training batch after shift_batch: row t = (x_{t+1}, g_t)
+        with torch.no_grad():
+            model(hidden_states=feats[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros(1, S - 1, dtype=torch.long),
+                  verifier_last_hidden_states=layer_out[-1][:, 1:], num_depths=DEPTHS,
+                  loss_config=resolve_loss_config("kl_div", "eager"))  # the fused default needs Triton
+    finally:
+        hook.remove()
+        pcore.generate_cod_sample_indices = orig
+    out = OUT / name
+    model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
+    patch_config_dtype(out / "config.json", torch.bfloat16)
+    anchor, depth = _every_chain(S - 1)
+    return {"tool": "speculators==0.9.0", "dir": str(out), "aux_layers_0based_outputs": [j - 1 for j in aux_ids],
+            "draft_vocab_size": draft_vocab, "num_layers": num_layers, "mask_token_id": MASK,
+            "anchor": anchor, "depth": depth, "logits": got[0][0]}  # [elements, Vd]
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     base = make_base()
@@ -148,6 +218,14 @@ def main() -> None:
     ref["drafts"]["speculators_default"] = make_speculators(
         "speculators_default", base, ids, layer_out, num_layers=1, aux_ids=[1, 3, 6], draft_vocab=V,
         nbr=True, nbfc=True, nout=True)
+    ref["peagle"] = {  # Llama layers as nemo_spec's; then the speculators trainer's defaults (schema.py:144-147,
+        # 789-790: norm_before_residual, Qwen3 layers; the whole embedding table trained)
+        "peagle_llama": make_peagle("peagle_llama", ids, layer_out, arch="llama", num_layers=2, aux_ids=[2, 4, 5],
+                                    draft_vocab=VD, nbr=False, whole_table=False),
+        "peagle_nbr": make_peagle("peagle_nbr", ids, layer_out, arch="llama", num_layers=1, aux_ids=[1, 3, 6],
+                                  draft_vocab=V, nbr=True, whole_table=False),
+        "peagle_default": make_peagle("peagle_default", ids, layer_out, arch="qwen3", num_layers=1,
+                                      aux_ids=[1, 3, 6], draft_vocab=V, nbr=True, whole_table=True)}
     torch.save(ref, OUT / "reference.pt")
     print("wrote", sorted(p.name for p in OUT.iterdir()))
 

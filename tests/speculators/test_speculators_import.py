@@ -1,4 +1,4 @@
-"""EAGLE-3 drafts written by vllm-project/speculators (the Hub's ``*-speculator.eagle3`` format) load with
+"""EAGLE-3 and P-EAGLE drafts written by vllm-project/speculators (the Hub's ``*-speculator.eagle3`` format) load with
 ``import_draft``: files its own save code wrote (tests/speculators/make_exports.py, speculators 0.9.0 in its side
 environment) give its own forward's draft logits, with the speculators trainer's draft options too; a draft whose options
 or layers are not the model's is refused by name rather than imported as another function.
@@ -81,3 +81,49 @@ def test_other_layers_or_options_are_refused_by_name(ref):
                                           "norm_output=True, this model's draft with"):
         import_draft(_model(d, options=dict(norm_before_fc=False, norm_before_residual=False, norm_output=False)),
                      Path(EXPORTS) / "speculators_default")
+
+
+def _peagle_model(d):
+    base = load_model(str(Path(EXPORTS) / "base"), dtype=torch.float32)
+    vd = d["draft_vocab_size"]
+    return SpeculativeTransform(algorithm="peagle", num_eagle_layers=d["num_layers"], parallel_depth=4,
+                                aux_layers=d["aux_layers_0based_outputs"], mask_token_id=d["mask_token_id"],
+                                draft_vocab_size=None if vd == 128 else vd)(base).eval()
+
+
+@torch.no_grad()
+def _peagle_logits(m, ids, anchor, depth):
+    """nemo_spec's P-EAGLE draft on speculators' elements: (anchor t, depth d) = one causal draft forward over the
+    pairs (x_{j+1}, f_j), j <= t, at positions 0..t, then d mask slots (mask_hidden, mask_token_id); its last row."""
+    from nemo_spec.models import AttnContext
+
+    d_ = m.eagle_module
+    fused = m.fuse(m.base_features(m.base_forward(ids)))
+    mask_feature = d_.mask_feature()
+    rows = []
+    for t, k in zip(anchor.tolist(), depth.tolist()):
+        tok = torch.cat([ids[:, 1:t + 2], torch.full((1, k), d_.mask_token_id, dtype=ids.dtype)], 1)
+        feat = torch.cat([fused[:, :t + 1], mask_feature[None, None].expand(1, k, -1)], 1)
+        rows.append(m.draft_step(tok, feat, AttnContext(position_ids=torch.arange(t + 1 + k)[None]))[1][0, -1].float())
+    return torch.stack(rows)
+
+
+def test_speculators_peagle_drafts_import_with_their_own_logits(ref):
+    """P-EAGLE files speculators 0.9.0 writes were all refused ("norm_output=false"): speculators writes that key into
+    every P-EAGLE config, where it changes nothing (one lm_head(norm(h)) per element, peagle/core.py:186-188).
+    Imported, the draft gives speculators' own forward's logits at every anchor and depth."""
+    d = ref["peagle"]["peagle_llama"]
+    assert detect_draft_format(Path(EXPORTS) / "peagle_llama") == "peagle"
+    m = _peagle_model(d)
+    assert import_draft(m, Path(EXPORTS) / "peagle_llama") == "peagle"
+    got = _peagle_logits(m, ref["input_ids"], d["anchor"], d["depth"])
+    assert got.shape == d["logits"].shape and (got - d["logits"]).abs().max() < 1e-4
+
+
+def test_speculators_peagle_trainer_defaults_are_refused_by_name(ref):
+    """norm_before_residual (the speculators trainer's P-EAGLE default) imported as if absent: drafts off by 3.1 in
+    the logits. Refused by name now; so are its default Qwen3 layers (q/k norms) and a trained embedding table."""
+    with pytest.raises(ExportError, match="P-EAGLE draft was trained with norm_before_residual=true"):
+        import_draft(_peagle_model(ref["peagle"]["peagle_nbr"]), Path(EXPORTS) / "peagle_nbr")
+    with pytest.raises(ExportError, match="norm_before_residual=true"):
+        import_draft(_peagle_model(ref["peagle"]["peagle_default"]), Path(EXPORTS) / "peagle_default")
