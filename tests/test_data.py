@@ -43,7 +43,8 @@ def test_strict_unknown_role_names_line(tmp_path):
 
 def test_sharegpt_json_list_and_system_turn():
     recs = read_conversations(FIXTURES / "sharegpt.json", "sharegpt")
-    assert recs[0] == {"id": "sg-0", "system": "Be brief.",
+    assert recs[0]["_where"] == "sharegpt.json:item 0"  # the reader's note of where it came from
+    assert {k: v for k, v in recs[0].items() if not k.startswith("_")} == {"id": "sg-0", "system": "Be brief.",
                        "turns": [{"role": "user", "content": "Capital of France?"},
                                  {"role": "assistant", "content": "Paris."}]}
     assert len(recs) == 2
@@ -227,3 +228,73 @@ def test_record_opening_with_the_assistants_turn_encodes(tok):
     enc = encode_chat(tok, rec, 512)
     masked = tok.decode(enc.input_ids[enc.loss_mask.bool()])
     assert masked.replace(" ", "") == "hellothere.<|im_end|>yes.<|im_end|>"  # (this tokenizer decodes without spaces)
+
+
+# ---- reading and encoding what users have (training review) -----------------------------------------------------
+def test_compressed_files_and_unread_suffixes_are_named(tmp_path, caplog):
+    """A .jsonl.gz given as the path was read as text: every line "invalid UTF-8"; inside a directory it was left
+    out without a word."""
+    import gzip
+    import logging
+
+    from nemo_spec.data.formats import write_messages
+
+    plain = write_messages(synthetic_chats(3), tmp_path / "d" / "a.jsonl")
+    gz = tmp_path / "d" / "b.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    with pytest.raises(DataFormatError, match=r"b.jsonl.gz is gzip-compressed: decompress it first"):
+        read_conversations(gz, "messages")
+    with caplog.at_level(logging.WARNING):
+        assert len(read_conversations(tmp_path / "d", "messages")) == 3
+    assert "1 file(s) not read" in caplog.text and "b.jsonl.gz" in caplog.text
+
+
+def test_a_pretty_printed_json_object_is_one_record(tmp_path):
+    """It was read line by line: "skipped 30 malformed record(s) of 30"."""
+    rec = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello to you"}]}
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps(rec, indent=2))
+    recs = read_conversations(f, "messages", strict=True)
+    assert len(recs) == 1 and [t["role"] for t in recs[0]["turns"]] == ["user", "assistant"]
+
+
+_THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+          "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+          "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_conversation_the_template_cannot_mark_is_skipped_or_named(tmp_path, caplog):
+    """A Qwen3-style template drops earlier turns' <think> blocks, so a record with one cannot be located turn by
+    turn: that one record ended the whole run (even with strict=false) without naming it."""
+    import logging
+
+    from nemo_spec.data.formats import write_messages
+
+    recs = synthetic_chats(12, seed=4)
+    bad = {"id": "thinker", "system": None, "turns": [
+        {"role": "user", "content": "what is two"}, {"role": "assistant", "content": "<think>hmm</think>two"},
+        {"role": "user", "content": "and three"}, {"role": "assistant", "content": "three"}]}
+    path = write_messages(recs + [bad], tmp_path / "c.jsonl")
+    tok = tiny_tokenizer(chat_template=_THINK)
+    dm = SpecDataModule(DataConfig(path=str(path), format="messages", max_seq_len=256, val_fraction=0.0), tok)
+    with caplog.at_level(logging.WARNING):
+        dm.setup()
+    assert dm.stats.template_errors == 1 and len(dm.train_set) == 12
+    assert "1 conversation(s) skipped" in caplog.text and "c.jsonl:13" in caplog.text
+    strict = SpecDataModule(DataConfig(path=str(path), format="messages", max_seq_len=256, val_fraction=0.0,
+                                       strict=True), tok)
+    with pytest.raises(ChatTemplateError, match=r"c.jsonl:13: chat template output is not prefix-stable"):
+        strict.setup()
+
+
+def test_short_text_documents_are_counted(tmp_path, caplog):
+    """Text files under 8 tokens were dropped without a log line; when all were, the error blamed assistant
+    tokens."""
+    d = tmp_path / "t"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.txt").write_text("hi")
+    dm = SpecDataModule(DataConfig(path=str(d), format="text", max_seq_len=64, val_fraction=0.0), tiny_tokenizer())
+    with pytest.raises(EmptyDatasetError, match=r"3 text document\(s\) shorter than 8 tokens"):
+        dm.setup()

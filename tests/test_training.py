@@ -224,6 +224,9 @@ def test_resume_is_exact(base, tmp_path, monkeypatch, algorithm):
     assert meta["global_step"] == 3 and meta["tensor_parallel_size"] == 1
     resumed = train(cfg_for("split"), save_final=False)
     assert resumed.trainer.global_step == 6
+    # the resumed run's checkpoints are `last` now (they went to last-v1 while `last` stayed at step 3, so a second
+    # resume went back to step 3: training review)
+    assert os.readlink(last) == "step0000006" and not (last.parent / "last-v1").exists()
     a, b = _draft_state(full.module), _draft_state(resumed.module)
     assert a.keys() == b.keys()
     for k in a:
@@ -278,6 +281,11 @@ def test_resume_refuses_other_settings_and_keeps_earlier_metrics(base, tmp_path)
     fresh = cfg(2, optim__lr=1e-2)
     fresh.resume = None  # a fresh start in the same run_dir is allowed
     assert train(fresh, save_final=False).trainer.global_step == 2
+    # ... and sets the earlier run's checkpoints aside: left in place, `last` kept pointing at the old run (the new
+    # one's went to last-v1) and the next resume=auto continued the old run (training review)
+    assert os.readlink(tmp_path / "run" / "checkpoints.1" / "last") == "step0000004"
+    assert os.readlink(tmp_path / "run" / "checkpoints" / "last") == "step0000002"
+    assert train(cfg(4, optim__lr=1e-2), save_final=False).trainer.global_step == 4  # continues the fresh run
 
 
 def test_lr_decays_over_max_epochs_when_max_steps_is_unset(base, tmp_path):
@@ -444,6 +452,19 @@ def test_offline_precompute_matches_online_and_trains(base, tmp_path):
     offline = model.training_losses(batch["input_ids"], batch["loss_mask"].bool(),
                                     base_out=base_output_from_batch(model, batch))
     assert torch.allclose(online["loss"], offline["loss"], atol=1e-5), (online["loss"], offline["loss"])
+    # a truncated shard is named when the directory opens (it failed in a DataLoader with safetensors' bare
+    # "invalid header length"): training review
+    import shutil
+
+    from nemo_spec.training.offline import OfflineDataError, OfflineDataset
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    shard = cut / index["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:6])
+    with pytest.raises(OfflineDataError, match=rf"{shard.name} \(listed in index.json\) is not a readable "
+                                               r"safetensors file .*delete .*index.json"):
+        OfflineDataset(str(cut))
     # the recipe: offline=true precomputes when needed, then trains from the shards
     cfg = small_train_config(tmp_path / "run", "eagle3", steps=12)
     cfg.model_path, cfg.data.path, cfg.offline, cfg.data.offline_dir = str(model_path), str(data), True, \
@@ -453,8 +474,6 @@ def test_offline_precompute_matches_online_and_trains(base, tmp_path):
     assert read_index(tmp_path / "off2")["num_samples"] == 120 and losses[-1] < losses[0]
     # stored states are only used by the model and data that made them (found by review: other aux layers trained
     # silently on the stored layers' states; other data / max_seq_len reused the stale states)
-    from nemo_spec.training.offline import OfflineDataError
-
     again = lambda **kw: dataclasses.replace(cfg, run_dir=str(tmp_path / "run2"), **kw)  # noqa: E731
     with pytest.raises(OfflineDataError, match=r"off2/index.json: the stored base states were made from other data.*"
                                                r"data.max_seq_len: 48 there, 32 now"):
@@ -926,3 +945,161 @@ def test_the_nemo_integration_names_nemo_3_when_it_is_installed():
     assert p.returncode != 0
     assert "installed: 3.0.0" in p.stderr and "NeMo 3 removed the LLM collection" in p.stderr, p.stderr[-2000:]
     assert "Megatron Bridge checkpoints" in p.stderr
+
+
+# ---- epochs, stops and data positions (training review) ---------------------------------------------------------
+def test_batch_sampler_epochs_end_on_whole_optimizer_steps_and_name_the_split():
+    """A partial optimizer step at an epoch's end (or a dataset smaller than one global batch) stepped on fewer
+    samples while Lightning still divided the loss by the full accumulation: a silently smaller gradient."""
+    from nemo_spec.data.datamodule import DataParallelBatchSampler, EmptyDatasetError
+
+    s = DataParallelBatchSampler(11, 2, accumulation=2)
+    assert s.samples_per_epoch() == 8 and len(s) == len(list(s)) == 4
+    assert len({i for b in s for i in b}) == 8
+    s.set_epoch(1)
+    e1 = [i for b in s for i in b]
+    s.set_epoch(0)
+    assert e1 != [i for b in s for i in b]  # each epoch its own shuffle
+    with pytest.raises(EmptyDatasetError, match=r"the training split: 6 sample\(s\) is fewer than one optimizer step "
+                                                r"\(micro_batch_size=2 x data_parallel=1 x accumulation=4 = 8\)"):
+        DataParallelBatchSampler(6, 2, accumulation=4, what="the training split")
+
+
+class _EpochOrder(pl.Callback):
+    def __init__(self):
+        self.rows = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pad = trainer.datamodule.pad_id
+        for row in batch["input_ids"].tolist():  # without the micro-batch's padding
+            while row and row[-1] == pad:
+                row.pop()
+            self.rows.setdefault(trainer.current_epoch, []).append(tuple(row))
+
+
+def test_each_epoch_reads_the_data_in_its_own_order(base, tmp_path, monkeypatch):
+    """Every epoch read the training data in epoch 0's order: Lightning calls set_epoch only on a DataLoader's
+    sampler or batch_sampler.sampler, which DataParallelBatchSampler is neither of, and nothing else did."""
+    model_path, data = base
+    small = write_daring_anteater(synthetic_chats(24, seed=5), tmp_path / "small.jsonl")
+    c = small_train_config(tmp_path / "ep", "eagle3", steps=10, global_batch_size=4)
+    c.trainer.train_bs = 2
+    c.model_path, c.data.path = str(model_path), str(small)
+    import nemo_spec.training.run as run_mod
+
+    rec = _EpochOrder()
+    orig = run_mod.build_trainer
+    monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: _append(orig(*a, **k), rec))
+    res = train(c, save_final=False)
+    assert res.trainer.current_epoch >= 1 and len(rec.rows[0]) == len(rec.rows[1]) == 20  # 5 steps x 4 samples
+    assert rec.rows[0] != rec.rows[1]
+    from collections import Counter
+
+    common = Counter(rec.rows[0]) & Counter(rec.rows[1])
+    assert sum(common.values()) >= 18  # the same data (less a reshuffled remainder of 2)
+
+
+def _append(trainer, cb):
+    trainer.callbacks.append(cb)
+    return trainer
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_resume_from_the_checkpoint_saved_when_training_ends_is_exact(base, tmp_path, monkeypatch, algorithm):
+    """Lightning saves `last` when training ends (a stop: max_time_s; or max_steps) and counts the unfinished epoch
+    as done: its data position said "epoch 1" for samples of epoch 0, so the resumed run skipped that many samples
+    of the next epoch and seeded DFlash's / P-EAGLE's sampling with the wrong epoch (training review). The data
+    epoch is now recorded and finished first; the sampling generator follows the data position."""
+    model_path, data = base
+    import nemo_spec.training.run as run_mod
+
+    def cfg_for(run, steps):
+        c = small_train_config(tmp_path / run, algorithm, steps=steps, ckpt_every_n_steps=1000, global_batch_size=4)
+        if algorithm == "dflash":
+            c.spec.block_size, c.spec.target_layer_ids, c.spec.num_anchors = 4, [0], 4
+        c.trainer.train_bs = 2
+        c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
+        return c
+
+    full = train(cfg_for("full", 6), save_final=False)
+    orig = run_mod.build_trainer
+    monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: _with_stop(orig(*a, **k), 3))
+    assert train(cfg_for("split", 6), save_final=False).trainer.global_step == 3
+    monkeypatch.setattr(run_mod, "build_trainer", orig)
+    last = tmp_path / "split" / "checkpoints" / "last"  # the checkpoint Lightning saved when training ended
+    assert json.loads((last / "nemo_spec_train.json").read_text())["global_step"] == 3
+    resumed = train(cfg_for("split", 6), save_final=False)
+    assert resumed.trainer.global_step == 6
+    assert _metric(tmp_path / "split", "train_loss") == pytest.approx(_metric(tmp_path / "full", "train_loss")[3:],
+                                                                      rel=1e-5)
+    a, b = _draft_state(full.module), _draft_state(resumed.module)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
+
+
+def test_more_max_steps_on_resume_take_the_new_schedule_from_the_first_step(base, tmp_path):
+    """Raising trainer.max_steps on resume stretches the cosine schedule from there; the first resumed step ran at
+    the restored rate of the old schedule (its min_lr, after a run that had reached its end)."""
+    model_path, data = base
+
+    def cfg_for(steps):
+        c = small_train_config(tmp_path / "run", "eagle3", steps=steps, ckpt_every_n_steps=1000)
+        c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
+        return c
+
+    train(cfg_for(3), save_final=False)
+    train(cfg_for(8), save_final=False)
+    o = cfg_for(8).optim
+    assert _metric(tmp_path / "run", "lr") == pytest.approx(
+        [warmup_cosine(s, o.warmup_steps, 8, o.lr, o.min_lr) for s in range(3, 8)])
+
+
+def test_max_time_stops_after_an_optimizer_step_and_resumes_exactly(base, tmp_path):
+    """Lightning's Timer checks after every micro-batch: out of time inside an accumulation group it stopped there,
+    the group's micro-batches were thrown away but counted in the data position (skipped on resume) and the
+    resumed run's steps straddled the groups. trainer.max_time_s now stops right after an optimizer step."""
+    model_path, data = base
+
+    def cfg_for(run, steps, **kw):
+        c = small_train_config(tmp_path / run, "eagle3", steps=steps, ckpt_every_n_steps=1000, global_batch_size=8,
+                               **kw)
+        c.trainer.train_bs = 2  # 4 micro-batches per step
+        c.model_path, c.data.path, c.resume = str(model_path), str(data), "auto"
+        return c
+
+    full = train(cfg_for("full", 4), save_final=False)
+    part = train(cfg_for("split", 4, max_time_s=1e-6), save_final=False)  # out of time at the first check
+    assert part.trainer.global_step == 1 and part.module._consumed_in_epoch == 8
+    resumed = train(cfg_for("split", 4), save_final=False)
+    assert resumed.trainer.global_step == 4
+    assert _metric(tmp_path / "split", "train_loss") == pytest.approx(_metric(tmp_path / "full", "train_loss")[1:],
+                                                                      rel=1e-5)
+
+
+def test_a_small_validation_split_runs_on_every_data_parallel_rank(monkeypatch):
+    """3 validation samples at micro-batch 2 over 2 data-parallel ranks were refused as "fewer than one global
+    micro-batch", naming neither the split nor a fix, though every rank can take one."""
+    import nemo_spec.data.datamodule as dmod
+
+    monkeypatch.setattr(dmod, "data_parallel_rank_size", lambda: (1, 2))
+    dm = SpecDataModule(DataConfig(path="in-memory", max_seq_len=48, val_fraction=0.1, val_max_samples=3),
+                        tiny_tokenizer(), micro_batch_size=2, records=synthetic_chats(30, seed=3))
+    loader = dm.val_dataloader()
+    assert len(dm.val_set) == 3 and [len(b["input_ids"]) for b in loader] == [1]
+
+
+def test_resume_refuses_other_data_at_the_same_path(base, tmp_path):
+    """Only data.path was compared: data rewritten at the same path resumed silently, with another split and shuffle
+    (validation samples could be trained on)."""
+    model_path, data = base
+    mine = tmp_path / "train.jsonl"
+    mine.write_text(Path(data).read_text())
+
+    def cfg():
+        c = small_train_config(tmp_path / "run", "eagle3", steps=2, ckpt_every_n_steps=2)
+        c.model_path, c.data.path, c.resume = str(model_path), str(mine), "auto"
+        return c
+
+    train(cfg(), save_final=False)
+    write_daring_anteater(synthetic_chats(150, seed=9), mine)
+    with pytest.raises(ConfigError, match=r"data contents \(digest of the files"):
+        train(cfg(), save_final=False)

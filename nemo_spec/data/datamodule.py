@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from nemo_spec.config import ConfigError
-from nemo_spec.data.chat import Encoded, apply_chat_template, encode_chat, encode_text, record_messages
+from nemo_spec.data.chat import (ChatTemplateError, Encoded, apply_chat_template, encode_chat, encode_text,
+                                 record_messages)
 from nemo_spec.data.formats import EmptyDatasetError, ReadStats, read_conversations
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class DataStats:
     samples: int = 0
     truncated: int = 0
     no_target: int = 0
+    short_text: int = 0  # text documents under encode_text's minimum length
+    template_errors: int = 0  # conversations the chat template renders in a way no assistant span can be found in
+    first_template_error: str = ""
 
 
 class TokenDataset(Dataset):
@@ -83,9 +87,19 @@ def encode_records(records: Sequence[Dict[str, Any]], tokenizer: Any, cfg: DataC
     out: List[Encoded] = []
     for r in records:
         if not r["turns"]:
-            out.extend(encode_text(tokenizer, r["text"], cfg.max_seq_len))
+            chunks = encode_text(tokenizer, r["text"], cfg.max_seq_len)
+            stats.short_text += not chunks
+            out.extend(chunks)
             continue
-        e = encode_chat(tokenizer, r, cfg.max_seq_len, cfg.loss_on, cfg.system_prompt)
+        try:
+            e = encode_chat(tokenizer, r, cfg.max_seq_len, cfg.loss_on, cfg.system_prompt)
+        except ChatTemplateError as err:  # one such conversation used to end the whole run, unnamed
+            where = r.get("_where") or r.get("id") or "a record"
+            if cfg.strict:
+                raise ChatTemplateError(f"{where}: {err}") from err
+            stats.template_errors += 1
+            stats.first_template_error = stats.first_template_error or f"{where}: {err}"
+            continue
         stats.truncated += int(e.truncated)
         if int(e.loss_mask[1:].sum()) == 0:
             stats.no_target += 1
@@ -97,6 +111,12 @@ def encode_records(records: Sequence[Dict[str, Any]], tokenizer: Any, cfg: DataC
     if stats.no_target:
         log.warning("%d sample(s) had no assistant token to train on (after truncation) and were dropped",
                     stats.no_target)
+    if stats.short_text:
+        log.warning("%d text document(s) shorter than 8 tokens were dropped", stats.short_text)
+    if stats.template_errors:
+        log.warning("%d conversation(s) skipped: the chat template cannot mark their assistant tokens (strict=true "
+                    "stops at the first; loss_on=all trains on them whole); first: %s", stats.template_errors,
+                    stats.first_template_error)
     return out
 
 
@@ -138,21 +158,32 @@ class DataParallelBatchSampler(Sampler[List[int]]):
     """Deterministic (seed, epoch) shuffle; each global batch of ``micro_bs * dp_size`` is split across DP ranks.
 
     All tensor-parallel ranks of one DP rank see identical batches. ``skip_samples(n)`` resumes mid-epoch after
-    ``n`` globally consumed samples (works across a change of DP size).
+    ``n`` globally consumed samples (works across a change of DP size). With ``accumulation`` (micro-batches per
+    optimizer step) an epoch ends with the last whole optimizer step: a partial one would step on fewer samples
+    while the loss is still divided by the full accumulation (lightning loops/optimization/automatic.py), i.e. a
+    smaller, silently down-scaled gradient. The trainer must call ``set_epoch`` at each epoch's start (Lightning
+    finds only a DataLoader's ``sampler`` or ``batch_sampler.sampler``; SpeculativeLightningModule does it).
     """
 
     def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True, seed: int = 1234, drop_last: bool = True) -> None:
+                 shuffle: bool = True, seed: int = 1234, drop_last: bool = True, accumulation: int = 1,
+                 what: str = "the training data") -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         self.n, self.mbs, self.rank, self.size = num_samples, micro_batch_size, dp_rank, dp_size
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.shuffle, self.seed, self.drop_last, self.accumulation = shuffle, seed, drop_last, accumulation
         self.epoch = 0
         self._skip = 0
-        gb = self.mbs * self.size
-        if drop_last and self.n < gb:
-            raise EmptyDatasetError(f"{self.n} sample(s) is fewer than one global micro-batch "
-                                    f"(micro_batch_size={self.mbs} x data_parallel={self.size})")
+        step = self.mbs * self.size * self.accumulation
+        if drop_last and self.n < step:
+            parts = f"micro_batch_size={self.mbs} x data_parallel={self.size}"
+            if accumulation > 1:
+                parts += f" x accumulation={accumulation}"
+            raise EmptyDatasetError(f"{what}: {self.n} sample(s) is fewer than one "
+                                    f"{'optimizer step' if accumulation > 1 else 'global micro-batch'} "
+                                    f"({parts} = {step})")
 
     def set_epoch(self, epoch: int) -> None:
         """Select the shuffle of ``epoch``."""
@@ -168,12 +199,17 @@ class DataParallelBatchSampler(Sampler[List[int]]):
         g = torch.Generator().manual_seed(self.seed + 1000003 * self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 
+    def samples_per_epoch(self) -> int:
+        """Global samples one epoch serves (whole optimizer steps with drop_last)."""
+        step = self.mbs * self.size * self.accumulation
+        return (self.n // step) * step if self.drop_last else self.n
+
     def __len__(self) -> int:
         gb = self.mbs * self.size
-        return self.n // gb if self.drop_last else math.ceil(self.n / gb)
+        return self.samples_per_epoch() // gb if self.drop_last else math.ceil(self.n / gb)
 
     def __iter__(self) -> Iterator[List[int]]:
-        order = self._order()
+        order = self._order()[:self.samples_per_epoch()]
         gb = self.mbs * self.size
         start = (self._skip // gb) * gb
         self._skip = 0
@@ -195,6 +231,7 @@ class SpecDataModule(pl.LightningDataModule):
         self.cfg = cfg.validate() if records is None else cfg
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
+        self.accumulation = 1  # micro-batches per optimizer step (set by the runner): epochs end on whole steps
         self._records = records
         self.stats = DataStats()
         self.train_set: Optional[TokenDataset] = None
@@ -224,8 +261,14 @@ class SpecDataModule(pl.LightningDataModule):
             tr, va = split_indices(len(train), n_val / len(train), n_val, self.cfg.seed)
             train, val = [train[i] for i in tr], [train[i] for i in va]
         if not train:
+            why = [f"{self.stats.no_target} without assistant tokens after truncation"]
+            if self.stats.short_text:
+                why.append(f"{self.stats.short_text} text document(s) shorter than 8 tokens")
+            if self.stats.template_errors:
+                why.append(f"{self.stats.template_errors} the chat template cannot mark "
+                           f"({self.stats.first_template_error})")
             raise EmptyDatasetError(f"no trainable samples in {self.cfg.path} (read {len(records)} record(s); "
-                                    f"{self.stats.no_target} without assistant tokens after truncation)")
+                                    f"{'; '.join(why)})")
         self.val_records = [records[i] for i in va_idx]
         self.train_set, self.val_set = TokenDataset(train), TokenDataset(val)
         log.info("dataset: %d train / %d validation samples (truncated %d, skipped %d malformed)",
@@ -239,7 +282,8 @@ class SpecDataModule(pl.LightningDataModule):
         self.setup()
         rank, size = data_parallel_rank_size()
         self.train_sampler = DataParallelBatchSampler(len(self.train_set), self.micro_batch_size, rank, size,
-                                                      shuffle=True, seed=self.cfg.seed)
+                                                      shuffle=True, seed=self.cfg.seed, accumulation=self.accumulation,
+                                                      what="the training split")
         return DataLoader(self.train_set, batch_sampler=self.train_sampler, collate_fn=self._collate,
                           num_workers=self.cfg.num_workers)
 
@@ -257,8 +301,11 @@ class SpecDataModule(pl.LightningDataModule):
             raise ConfigError(f"the validation split has {len(self.val_set)} samples, fewer than the {size} data-"
                               "parallel ranks; every rank must run each validation step: raise data.val_fraction / "
                               "data.val_max_samples, or set data.val_fraction=0")
-        sampler = DataParallelBatchSampler(len(self.val_set), min(self.micro_batch_size, len(self.val_set)),
-                                           rank, size, shuffle=False, drop_last=len(self.val_set) >= size)
+        # a micro-batch every rank can fill (3 validation samples at micro-batch 2 over 2 ranks were refused as
+        # "fewer than one global micro-batch", naming neither the split nor a fix)
+        mbs = max(1, min(self.micro_batch_size, len(self.val_set) // size))
+        sampler = DataParallelBatchSampler(len(self.val_set), mbs, rank, size, shuffle=False,
+                                           what="the validation split")
         return DataLoader(self.val_set, batch_sampler=sampler, collate_fn=self._collate,
                           num_workers=self.cfg.num_workers)
 

@@ -134,11 +134,28 @@ def detect_format(obj: Dict[str, Any]) -> str:
     raise DataFormatError(f"cannot detect the chat format of an object with keys {sorted(obj)}")
 
 
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def _compression(file: Path) -> Optional[str]:
+    with open(file, "rb") as f:
+        head = f.read(6)
+    return next((kind for magic, kind in _COMPRESSED.items() if head.startswith(magic)), None)
+
+
 def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
     if path.is_file():
+        kind = _compression(path)
+        if kind:  # read as text it was one "invalid UTF-8" record per line
+            raise DataFormatError(f"{path} is {kind}-compressed: decompress it first (e.g. gunzip -k {path.name})")
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
+        every = sorted(p for p in path.rglob("*") if p.is_file())
+        files = [p for p in every if p.suffix in suffixes]
+        left = [p for p in every if p.suffix not in suffixes and not p.name.startswith(".")]
+        if left:  # e.g. a .jsonl.gz next to the data: was left out without a word
+            log.warning("%s: %d file(s) not read (suffix not in %s), e.g. %s", path, len(left), list(suffixes),
+                        left[0].relative_to(path))
         if not files:
             raise EmptyDatasetError(f"{path}: directory has no files with suffix {list(suffixes)}")
         return files
@@ -150,6 +167,14 @@ def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
     not valid UTF-8 is a malformed record like invalid JSON."""
     with open(file, "rb") as fb:
         head = fb.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")  # a UTF-8 BOM too
+    if file.suffix == ".json" and head.startswith("{"):  # one (pretty-printed) object: one record, not one per line
+        try:
+            obj = json.loads(file.read_bytes().decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None  # JSON lines after all: read line by line below
+        if isinstance(obj, dict):
+            yield f"{file}:1", obj, None
+            return
     if head.startswith("["):
         raw = file.read_bytes()
         try:
@@ -184,7 +209,8 @@ def read_conversations(path: str | os.PathLike | Sequence[str | os.PathLike], fm
     """Read chat records (or text documents for ``fmt='text'``) from files/directories.
 
     Malformed records are skipped and counted (the first error is logged), or with ``strict=True`` the
-    first one raises DataFormatError naming file and line. No usable record raises EmptyDatasetError.
+    first one raises DataFormatError naming file and line. No usable record raises EmptyDatasetError. Keys that
+    start with "_" are the reader's notes (``_where``: file:line, for messages about the record).
     """
     if fmt not in FORMATS:
         raise DataFormatError(f"unknown data format {fmt!r}; choose one of {FORMATS}")
@@ -212,8 +238,9 @@ def read_conversations(path: str | os.PathLike | Sequence[str | os.PathLike], fm
                     if err is not None:
                         raise DataFormatError(f"{where}: {err}")
                     rec = parse_record(obj, fmt, where)
+                    at = where[len(str(file)) + 1:]
+                    rec["_where"] = f"{name}:{at}"  # for messages about the record (its id may be its own)
                     if rec["id"] == where:
-                        at = where[len(str(file)) + 1:]
                         rec["id"], rec["_source"] = f"{name}:{at}", f"{file.resolve()}:{at}"
                     records.append(rec)
                     stats.kept += 1

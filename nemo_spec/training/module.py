@@ -144,7 +144,12 @@ class SpeculativeLightningModule(pl.LightningModule):
         self.seed = seed
         self.params_dtype = params_dtype
         self.model: Optional[torch.nn.Module] = None
-        self._consumed_in_epoch = 0
+        self._consumed_in_epoch = 0  # global samples of the current data epoch trained on
+        # The data epoch (the sampler's shuffle) is Lightning's epoch + this offset: a checkpoint Lightning saves when
+        # training ends mid-epoch (max_steps, max_time_s) counts that epoch as finished, so the resumed run finishes
+        # the data epoch in Lightning's next one.
+        self._data_epoch = 0
+        self._epoch_offset = 0
         self._resume_position: Optional[Dict[str, int]] = None
         self._resumed_epoch: Optional[int] = None  # epoch whose data position on_train_start restored
         self.samples_per_batch = 0  # global samples per micro-batch step (train_bs x DP), set by the runner
@@ -230,12 +235,14 @@ class SpeculativeLightningModule(pl.LightningModule):
                                           eagle1_ce_weight=self.loss_cfg.eagle1_ce_weight, generator=generator)
 
     def sampling_generator(self, stage: str, batch_idx: int) -> torch.Generator:
-        """The draft objective's RNG for one micro-batch: seeded from the run seed, the stage, the epoch and the
-        batch index (restored exactly on resume; the same on every TP rank, which see the same batch)."""
+        """The draft objective's RNG for one micro-batch: seeded from the run seed, the stage, the data epoch and the
+        batch's place in it (restored exactly on resume; the same on every TP rank, which see the same batch)."""
         try:
-            epoch = self.trainer.current_epoch
+            epoch = self.trainer.current_epoch + self._epoch_offset
         except RuntimeError:  # not attached to a Trainer (a step called directly)
             epoch = 0
+        if stage == "train" and self.samples_per_batch:  # the data position, not Lightning's batch counter
+            batch_idx = self._consumed_in_epoch // self.samples_per_batch
         key = (int(self.seed) * 1_000_003 + {"train": 0, "val": 1}[stage] * 7919 + epoch * 104_729 + batch_idx)
         return torch.Generator().manual_seed(key % (2 ** 63))
 
@@ -301,7 +308,7 @@ class SpeculativeLightningModule(pl.LightningModule):
 
     # ---- data position for exact resume -----------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        checkpoint["data_position"] = {"epoch": int(self.current_epoch), "consumed_in_epoch": self._consumed_in_epoch}
+        checkpoint["data_position"] = {"epoch": int(self._data_epoch), "consumed_in_epoch": self._consumed_in_epoch}
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("data_position")
@@ -329,6 +336,14 @@ class SpeculativeLightningModule(pl.LightningModule):
         """Mid-epoch resume: position the sampler here, as Lightning >= 2.5 does not call on_train_epoch_start for
         the restarted epoch (lightning 2.6.6 loops/fit_loop.py:447-452)."""
         self._resumed_epoch = self.current_epoch if self._apply_resume_position() else None
+        # A resume restores the optimizer's learning rate as the checkpoint's schedule set it; with another
+        # trainer.max_steps the schedule (warm-up + cosine to max_steps) is another one: its rate from the first step
+        # on (the restored rate was the old schedule's for one step: min_lr after a run that had reached its end)
+        for cfg in getattr(self.trainer, "lr_scheduler_configs", None) or []:
+            sched = cfg.scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and sched.last_epoch > 0:
+                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(sched.last_epoch)
 
     def on_train_epoch_start(self) -> None:
         # Lightning 2.4 does call it for the restarted epoch, after on_train_start (2.4.0 loops/fit_loop.py:345-346):
@@ -336,14 +351,24 @@ class SpeculativeLightningModule(pl.LightningModule):
         resumed, self._resumed_epoch = getattr(self, "_resumed_epoch", None), None
         if not self._apply_resume_position() and resumed != self.current_epoch:
             self._consumed_in_epoch = 0
+            self._data_epoch = self.current_epoch + self._epoch_offset
+            sampler = getattr(getattr(self.trainer, "datamodule", None), "train_sampler", None)
+            if sampler is not None:  # each epoch its own shuffle (Lightning cannot find a batch sampler's set_epoch)
+                sampler.set_epoch(self._data_epoch)
 
     def _apply_resume_position(self) -> bool:
         pos, self._resume_position = self._resume_position, None
         dm = getattr(self.trainer, "datamodule", None)
         sampler = getattr(dm, "train_sampler", None)
-        if pos is None or pos["epoch"] != self.current_epoch or sampler is None:
+        if pos is None or sampler is None:
             return False
-        sampler.skip_samples(pos["consumed_in_epoch"])
-        self._consumed_in_epoch = pos["consumed_in_epoch"]
-        log.info("resuming epoch %d after %d consumed samples", self.current_epoch, self._consumed_in_epoch)
+        epoch, consumed = int(pos["epoch"]), int(pos["consumed_in_epoch"])
+        if consumed >= sampler.samples_per_epoch():  # the checkpoint's data epoch was finished
+            epoch, consumed = epoch + 1, 0
+        self._data_epoch, self._epoch_offset = epoch, epoch - self.current_epoch
+        sampler.set_epoch(epoch)
+        sampler.skip_samples(consumed)
+        self._consumed_in_epoch = consumed
+        log.info("resuming data epoch %d after %d consumed samples%s", epoch, consumed,
+                 f" (in training epoch {self.current_epoch})" if self._epoch_offset else "")
         return True

@@ -169,9 +169,22 @@ class OfflineDataset(Dataset):
         self.dir = Path(offline_dir)
         self.index = read_index(self.dir)
         self._where: List[tuple[str, str]] = []
+        from safetensors import safe_open
+
         for sh in self.index["shards"]:
-            if not (self.dir / sh["file"]).exists():
-                raise OfflineDataError(f"{self.dir / sh['file']} listed in index.json is missing")
+            path = self.dir / sh["file"]
+            if not path.exists():
+                raise OfflineDataError(f"{path} listed in index.json is missing")
+            try:  # a truncated or foreign shard failed inside a DataLoader worker with safetensors' bare message
+                with safe_open(str(path), framework="pt") as f:
+                    keys = set(f.keys())
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+                raise OfflineDataError(f"{path} (listed in index.json) is not a readable safetensors file ({e}); "
+                                       f"recompute the states: delete {self.dir / 'index.json'}") from e
+            missing = [f"{i}.input_ids" for i in range(sh["count"]) if f"{i}.input_ids" not in keys]
+            if missing:
+                raise OfflineDataError(f"{path} lacks {len(missing)} of its {sh['count']} samples "
+                                       f"(e.g. {missing[0]}); recompute the states: delete {self.dir / 'index.json'}")
             self._where += [(sh["file"], str(i)) for i in range(sh["count"])]
         self._open: Dict[str, Any] = {}
 
@@ -233,6 +246,7 @@ class OfflineDataModule(pl.LightningDataModule):
         self.val_fraction, self.val_max_samples, self.pad_id = val_fraction, val_max_samples, pad_id
         self.full: Optional[OfflineDataset] = None
         self.train_sampler: Optional[DataParallelBatchSampler] = None
+        self.accumulation = 1  # micro-batches per optimizer step (set by the runner)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the index and split train/validation (seeded)."""
@@ -254,7 +268,8 @@ class OfflineDataModule(pl.LightningDataModule):
         self.setup()
         rank, size = data_parallel_rank_size()
         self.train_sampler = DataParallelBatchSampler(len(self.train_set), self.micro_batch_size, rank, size,
-                                                      seed=self.seed)
+                                                      seed=self.seed, accumulation=self.accumulation,
+                                                      what=f"the training split of {self.offline_dir}")
         return DataLoader(self.train_set, batch_sampler=self.train_sampler, collate_fn=self._collate)
 
     def val_dataloader(self) -> List[DataLoader] | DataLoader:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from nemo_spec.config import ConfigError, dump_json, setting_differences
@@ -89,16 +89,38 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
 
 
+class StepBoundaryTimer(Timer):
+    """Lightning's Timer (``trainer.max_time_s``; elapsed time kept in checkpoints), checked only right after an
+    optimizer step. Lightning's own checks after every micro-batch: a stop inside a gradient-accumulation group
+    dropped the group's micro-batches while the data position had counted them, and the resumed run's steps
+    straddled the accumulation boundaries (an inexact resume, found by the training review)."""
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._checked_step = trainer.global_step
+        super().on_train_start(trainer, *args, **kwargs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step != getattr(self, "_checked_step", None):  # an optimizer step has just finished
+            self._checked_step = trainer.global_step
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+
 def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: List[pl.Callback],
                   checkpoint_dir: Optional[Path] = None, loggers: bool = True) -> pl.Trainer:
     """A Lightning Trainer on the megatron-aware strategy with TensorBoard + CSV loggers."""
     strategy = MegatronStrategy(tensor_parallel_size=t.tensor_parallel_size, seed=t.seed, accelerator_kind=t.accelerator,
                                 expert_parallel_size=t.expert_parallel_size)
     cbs = list(callbacks)
+    if t.max_time_s is not None:
+        cbs.append(StepBoundaryTimer(duration=datetime.timedelta(seconds=float(t.max_time_s))))
     if checkpoint_dir is not None and t.ckpt_every_n_steps > 0:
         ckpt = AtomicLinkCheckpoint(dirpath=str(checkpoint_dir), filename="step{step:07d}",
                                     auto_insert_metric_name=False, every_n_train_steps=t.ckpt_every_n_steps,
-                                    save_top_k=-1, save_last="link", save_on_train_epoch_end=False)
+                                    save_top_k=-1, save_last="link", save_on_train_epoch_end=False,
+                                    # a resumed run's checkpoints went to last-v1 beside `last`, which kept pointing
+                                    # at the checkpoint it resumed from: a second resume went back there (Lightning
+                                    # restores last_model_path as saved before the link existed)
+                                    enable_version_counter=False)
         ckpt.CHECKPOINT_NAME_LAST = "last"
         ckpt.FILE_EXTENSION = ""
         cbs.append(ckpt)
@@ -111,7 +133,6 @@ def build_trainer(t: TrainerConfig, run_dir: Path, accumulate: int, callbacks: L
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "gpu" else "cpu", devices=1, strategy=strategy, precision=t.precision,
         max_steps=t.max_steps, max_epochs=t.max_epochs, accumulate_grad_batches=accumulate,
-        max_time=None if t.max_time_s is None else datetime.timedelta(seconds=float(t.max_time_s)),
         gradient_clip_val=None, val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=t.limit_val_batches if val_every else 0, num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps, callbacks=cbs, logger=lg, enable_checkpointing=checkpoint_dir is not None
@@ -177,6 +198,34 @@ def _data_settings(cfg: TrainConfig, keys: Tuple[str, ...]) -> Dict[str, Any]:
             for k in keys}
 
 
+#: the resume setting holding :func:`data_digest` (checkpoints written before it was recorded resume without it)
+DATA_DIGEST = "data contents (digest of the files' names, sizes, first and last MiB)"
+
+
+def data_digest(path: Any) -> Optional[str]:
+    """A digest of the data files under ``path`` (a file, a directory or a list of them): names, sizes and their
+    first and last MiB. None when a path is not on disk (records given in memory)."""
+    import hashlib
+
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path or [])
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for p in map(Path, paths):
+        if not p.exists():
+            return None
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(p) if p.is_dir() else f.name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), os.SEEK_END)
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
 def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     """What a run resumed from a training checkpoint must share with the run that wrote it, as ``section.field``
     -> value: the base, the data and its split, the draft, the loss and the optimiser, the global batch (samples
@@ -187,6 +236,8 @@ def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     for sec in (("loss", "optim") if cfg.train_base else ("spec", "loss", "optim")):
         out.update({f"{sec}.{k}": v for k, v in d[sec].items()})
     out.update(_data_settings(cfg, _RESUME_DATA))
+    # the same path with other contents: another split and shuffle (validation samples trained on) resumed silently
+    out[DATA_DIGEST] = data_digest(cfg.data.path)
     out.update({"trainer.seed": cfg.trainer.seed, "global batch (samples per optimizer step)": int(global_batch)})
     return json.loads(json.dumps(out))
 
@@ -201,6 +252,8 @@ def check_resume_settings(resume: str, settings: Dict[str, Any]) -> None:
     saved = read_train_checkpoint_meta(Path(resume).resolve()).get("run_settings")
     if not isinstance(saved, dict):
         return
+    if DATA_DIGEST not in saved:  # written before the digest was recorded
+        settings = {k: v for k, v in settings.items() if k != DATA_DIGEST}
     diff = setting_differences(saved, settings, "in the checkpoint")
     if diff:
         shown = "; ".join(diff[:4])
@@ -220,6 +273,20 @@ def _keep_earlier_metrics(run_dir: Path) -> None:
         k += 1
     os.replace(old, old.parent / f"metrics.{k}.csv")
     log.info("resuming: the earlier rows of %s are kept in %s", old, old.parent / f"metrics.{k}.csv")
+
+
+def _set_aside_earlier_checkpoints(ckpt_dir: Path) -> None:
+    """A fresh start (resume=null) in a used run_dir: the earlier run's checkpoints move to checkpoints.<k>/.
+    Left in place, Lightning wrote the new run's beside them as ``step...-v1`` / ``last-v1`` while ``last`` kept
+    pointing at the old run, which the next ``resume=auto`` then continued (training review)."""
+    if not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
+        return
+    k = 1
+    while ckpt_dir.with_name(f"{ckpt_dir.name}.{k}").exists():
+        k += 1
+    os.replace(ckpt_dir, ckpt_dir.with_name(f"{ckpt_dir.name}.{k}"))
+    log.warning("resume=null: the earlier run's checkpoints in %s are kept in %s; this run starts from scratch",
+                ckpt_dir, ckpt_dir.with_name(f"{ckpt_dir.name}.{k}"))
 
 
 def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module]] = None, tokenizer: Any = None,
@@ -244,6 +311,8 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     resume = resolve_resume(cfg, ckpt_dir)
     if resume is not None:  # before anything is written into the run directory
         check_resume_settings(resume, settings)
+    elif cfg.resume in (None, "", "none") and _writes_run_files():
+        _set_aside_earlier_checkpoints(ckpt_dir)
     save_resolved_config(cfg, run_dir, yaml_text)
     from nemo_spec import parallel
 
@@ -298,6 +367,7 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
                                         model_factory=model_factory, model_transform=transform, optim=cfg.optim,
                                         loss=cfg.loss, max_steps=t.max_steps, draft_vocab_counts=counts, seed=t.seed)
     module.samples_per_batch = t.train_bs * dp
+    datamodule.accumulation = accumulate  # epochs end on whole optimizer steps (DataParallelBatchSampler)
     if need_precompute:
         from nemo_spec.training.offline import precompute
 
