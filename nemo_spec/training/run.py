@@ -88,6 +88,15 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
             os.replace(tmp, linkpath)
         trainer.strategy.barrier()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``last`` when training ends before any checkpoint of this process (max_time_s, a stop, a run shorter than
+        ckpt_every_n_steps), as Lightning >= 2.5 saves it (callbacks/model_checkpoint.py ``on_train_end``); 2.4,
+        NeMo 2.7's pin, saved nothing, so such a run left nothing to resume."""
+        if "on_train_end" in ModelCheckpoint.__dict__:
+            super().on_train_end(trainer, pl_module)
+        elif self.save_last and not self._last_checkpoint_saved:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
 
 class StepBoundaryTimer(Timer):
     """Lightning's Timer (``trainer.max_time_s``; elapsed time kept in checkpoints), checked only right after an
