@@ -149,10 +149,11 @@ def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
         if kind:  # read as text it was one "invalid UTF-8" record per line
             raise DataFormatError(f"{path} is {kind}-compressed: decompress it first (e.g. gunzip -k {path.name})")
         return [path]
-    if path.is_dir():
-        every = sorted(p for p in path.rglob("*") if p.is_file())
+    if path.is_dir():  # hidden files and directories (.git, .cache/huggingface, ...) are not data
+        every = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         files = [p for p in every if p.suffix in suffixes]
-        left = [p for p in every if p.suffix not in suffixes and not p.name.startswith(".")]
+        left = [p for p in every if p.suffix not in suffixes]
         if left:  # e.g. a .jsonl.gz next to the data: was left out without a word
             log.warning("%s: %d file(s) not read (suffix not in %s), e.g. %s", path, len(left), list(suffixes),
                         left[0].relative_to(path))
@@ -160,6 +161,13 @@ def _iter_files(path: Path, suffixes: Sequence[str]) -> List[Path]:
             raise EmptyDatasetError(f"{path}: directory has no files with suffix {list(suffixes)}")
         return files
     raise FileNotFoundError(f"data path {path} does not exist")
+
+
+def data_files(path: Path, fmt: str) -> List[Path]:
+    """The files ``read_conversations`` reads for ``path`` (a file, or a directory's files of the format's suffixes;
+    ``auto``: a directory may mix chat JSONL and text files, each read as what its suffix says)."""
+    suffixes = TEXT_SUFFIXES if fmt == "text" else JSON_SUFFIXES + TEXT_SUFFIXES if fmt == "auto" else JSON_SUFFIXES
+    return _iter_files(Path(path), suffixes)
 
 
 def _iter_json_objects(file: Path) -> Iterator[Tuple[str, Any, Optional[str]]]:
@@ -220,9 +228,7 @@ def read_conversations(path: str | os.PathLike | Sequence[str | os.PathLike], fm
     stats = stats if stats is not None else ReadStats()
     records: List[Dict[str, Any]] = []
     for p in map(Path, paths):
-        # auto: a directory may mix chat JSONL and text files (each file is read as what its suffix says)
-        suffixes = TEXT_SUFFIXES if fmt == "text" else JSON_SUFFIXES + TEXT_SUFFIXES if fmt == "auto" else JSON_SUFFIXES
-        for file in _iter_files(p, suffixes):
+        for file in data_files(p, fmt):
             stats.files.append(str(file))
             if fmt == "text" or (fmt == "auto" and file.suffix not in JSON_SUFFIXES):
                 text = file.read_text(encoding="utf-8", errors="replace")

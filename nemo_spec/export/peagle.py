@@ -122,9 +122,9 @@ def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[s
     opts = file_options(layer_conf)  # absent: false, as vLLM's update_peagle reads them (speculators/algos.py:53-88)
     used = sorted(k for k, v in opts.items() if v and k != "norm_output")
     if used:  # imported as it was, these drafts drafted other tokens (max logit error 3.1: review)
-        raise ExportError(f"the P-EAGLE draft was trained with {', '.join(f'{k}=true' for k in used)} (the "
-                          f"speculators trainer's default for norm_before_residual), which nemo_spec's P-EAGLE draft "
-                          f"does not compute: not supported")
+        why = " (the speculators trainer's P-EAGLE default)" if used == ["norm_before_residual"] else ""
+        raise ExportError(f"the P-EAGLE draft was trained with {', '.join(f'{k}=true' for k in used)}{why}, which "
+                          f"nemo_spec's P-EAGLE draft does not compute: not supported")
     rest = {k: v for k, v in tensors.items() if k not in ("mask_hidden", "embed_tokens.weight")}
     out = eagle3_from_reference(rest, layer_conf, cfg, options={k: False for k in opts})
     blocks = mh.reshape(3, h)

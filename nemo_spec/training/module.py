@@ -308,7 +308,8 @@ class SpeculativeLightningModule(pl.LightningModule):
 
     # ---- data position for exact resume -----------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        checkpoint["data_position"] = {"epoch": int(self._data_epoch), "consumed_in_epoch": self._consumed_in_epoch}
+        checkpoint["data_position"] = {"epoch": int(self._data_epoch), "consumed_in_epoch": self._consumed_in_epoch,
+                                       "epoch_offset": int(self._epoch_offset)}
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("data_position")
@@ -336,6 +337,11 @@ class SpeculativeLightningModule(pl.LightningModule):
         """Mid-epoch resume: position the sampler here, as Lightning >= 2.5 does not call on_train_epoch_start for
         the restarted epoch (lightning 2.6.6 loops/fit_loop.py:447-452)."""
         self._resumed_epoch = self.current_epoch if self._apply_resume_position() else None
+        loop = self.trainer.fit_loop
+        if self._resumed_epoch is not None and self._epoch_offset < 0 and loop.max_epochs not in (None, -1):
+            # Lightning counted the unfinished data epoch of a checkpoint saved when training ended as done: the
+            # resumed run finishes it in a training epoch of its own, which max_epochs must not take from the data
+            loop.max_epochs += -self._epoch_offset
         # A resume restores the optimizer's learning rate as the checkpoint's schedule set it; with another
         # trainer.max_steps the schedule (warm-up + cosine to max_steps) is another one: its rate from the first step
         # on (the restored rate was the old schedule's for one step: min_lr after a run that had reached its end)
@@ -363,7 +369,10 @@ class SpeculativeLightningModule(pl.LightningModule):
         if pos is None or sampler is None:
             return False
         epoch, consumed = int(pos["epoch"]), int(pos["consumed_in_epoch"])
-        if consumed >= sampler.samples_per_epoch():  # the checkpoint's data epoch was finished
+        # a finished data epoch goes on with the next one where Lightning has left the training epoch it was read in
+        # (2.6 restarts a checkpoint of an epoch's last step in the next epoch); Lightning 2.4 restarts that epoch
+        # itself, whose remaining batches are then none
+        if consumed >= sampler.samples_per_epoch() and self.current_epoch > epoch - int(pos.get("epoch_offset", 0)):
             epoch, consumed = epoch + 1, 0
         self._data_epoch, self._epoch_offset = epoch, epoch - self.current_epoch
         sampler.set_epoch(epoch)

@@ -1,8 +1,8 @@
 """The draft-training recipe: config -> data -> model (+ SpeculativeTransform) -> Lightning Trainer -> checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
-
 import json
 import logging
 import os
@@ -103,6 +103,10 @@ class StepBoundaryTimer(Timer):
     optimizer step. Lightning's own checks after every micro-batch: a stop inside a gradient-accumulation group
     dropped the group's micro-batches while the data position had counted them, and the resumed run's steps
     straddled the accumulation boundaries (an inexact resume, found by the training review)."""
+
+    @property
+    def state_key(self) -> str:
+        return "Timer"  # Lightning's, so the elapsed time of checkpoints written with its Timer is restored
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._checked_step = trainer.global_step
@@ -211,10 +215,13 @@ def _data_settings(cfg: TrainConfig, keys: Tuple[str, ...]) -> Dict[str, Any]:
 DATA_DIGEST = "data contents (digest of the files' names, sizes, first and last MiB)"
 
 
-def data_digest(path: Any) -> Optional[str]:
-    """A digest of the data files under ``path`` (a file, a directory or a list of them): names, sizes and their
-    first and last MiB. None when a path is not on disk (records given in memory)."""
+def data_digest(path: Any, fmt: str = "auto") -> Optional[str]:
+    """A digest of the data files read from ``path`` (a file, a directory or a list of them; the files
+    ``read_conversations`` reads for ``fmt``): names, sizes and their first and last MiB. None when a path is not on
+    disk (records given in memory)."""
     import hashlib
+
+    from nemo_spec.data.formats import EmptyDatasetError, data_files
 
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path or [])
     if not paths:
@@ -223,7 +230,10 @@ def data_digest(path: Any) -> Optional[str]:
     for p in map(Path, paths):
         if not p.exists():
             return None
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        try:
+            files = data_files(p, fmt)
+        except EmptyDatasetError:  # reading it names the problem
+            return None
         for f in files:
             size = f.stat().st_size
             h.update(f"{f.relative_to(p) if p.is_dir() else f.name}\0{size}\0".encode())
@@ -246,7 +256,7 @@ def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
         out.update({f"{sec}.{k}": v for k, v in d[sec].items()})
     out.update(_data_settings(cfg, _RESUME_DATA))
     # the same path with other contents: another split and shuffle (validation samples trained on) resumed silently
-    out[DATA_DIGEST] = data_digest(cfg.data.path)
+    out[DATA_DIGEST] = data_digest(cfg.data.path, cfg.data.format)
     out.update({"trainer.seed": cfg.trainer.seed, "global batch (samples per optimizer step)": int(global_batch)})
     return json.loads(json.dumps(out))
 
@@ -354,7 +364,14 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     online_dm = None
     if datamodule is None:
         if not cfg.offline or need_precompute:
-            online_dm = SpecDataModule(cfg.data, tokenizer, micro_batch_size=t.train_bs, records=records)
+            data_cfg = cfg.data
+            if resume is not None and data_cfg.num_workers:
+                # Lightning 2.6 starts the training loader (its workers prefetch) before on_train_start restores the
+                # data position: the first resumed batches came from the start of the wrong epoch (diff review)
+                log.warning("resuming: data.num_workers=%d -> 0 for this run, so that the data position is restored "
+                            "before the first batch is read", data_cfg.num_workers)
+                data_cfg = dataclasses.replace(data_cfg, num_workers=0)
+            online_dm = SpecDataModule(data_cfg, tokenizer, micro_batch_size=t.train_bs, records=records)
         if cfg.offline:
             from nemo_spec.training.offline import OfflineDataModule
 
