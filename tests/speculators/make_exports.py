@@ -93,23 +93,39 @@ def capture_lm_head(module):
 
 
 # ------------------------------------------------------------------------------------------------ speculators
-def make_speculators(name, base, ids, layer_out, *, num_layers, aux_ids, draft_vocab, nbr, nbfc, nout):
-    """speculators 0.9.0: Eagle3DraftModel.from_training_args (the path train/cli.py:build_draft_model takes),
-    saved as train/checkpointer.py:339-351 does (save_pretrained of the bf16 state dict + patch_config_dtype)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.checkpointer import patch_config_dtype
+def layer_config_and_vocab(num_layers, arch, draft_vocab, full_attention):
+    """(verifier dir, transformer_layer_config, d2t, t2d) as the speculators trainer builds them (train/cli.py): a
+    draft vocabulary from a seeded token distribution (train/vocab_mapping.py) when it is smaller than the base's."""
     from speculators.train.cli import create_transformer_layer_config
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     torch.manual_seed(0)
     base_dir = str(OUT / "base")
-    tl = create_transformer_layer_config(verifier_name_or_path=base_dir, num_layers=num_layers, draft_arch="llama",
-                                         hidden_act="silu", sliding_window=2048, full_attention_indices=[])
+    tl = create_transformer_layer_config(verifier_name_or_path=base_dir, num_layers=num_layers, draft_arch=arch,
+                                         hidden_act="silu", sliding_window=2048,
+                                         full_attention_indices=list(range(num_layers)) if full_attention else [])
     d2t = t2d = None
     if draft_vocab != V:
         freq = {int(t): int(c) for t, c in enumerate(torch.randint(1, 1000, (V,), generator=torch.Generator()
                                                                    .manual_seed(7)))}
         d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, V)
+    return base_dir, tl, d2t, t2d
+
+
+def save_like_trainer(model, out):
+    """As train/checkpointer.py saves (save_pretrained of the bf16 state dict + patch_config_dtype)."""
+    from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
+
+    model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
+    patch_config_dtype(out / "config.json", torch.bfloat16)
+
+
+def make_speculators(name, base, ids, layer_out, *, num_layers, aux_ids, draft_vocab, nbr, nbfc, nout):
+    """speculators 0.9.0: Eagle3DraftModel.from_training_args (the path train/cli.py:build_draft_model takes),
+    saved as train/checkpointer.py:339-351 does (save_pretrained of the bf16 state dict + patch_config_dtype)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    base_dir, tl, d2t, t2d = layer_config_and_vocab(num_layers, "llama", draft_vocab, full_attention=False)
     model = Eagle3DraftModel.from_training_args(
         verifier_config=tl, t2d=t2d, d2t=d2t, verifier_name_or_path=base_dir, target_layer_ids=list(aux_ids),
         draft_vocab_size=draft_vocab, norm_before_residual=nbr, norm_before_fc=nbfc, norm_output=nout,
@@ -126,9 +142,7 @@ def make_speculators(name, base, ids, layer_out, *, num_layers, aux_ids, draft_v
                        position_ids=torch.arange(1, S)[None], ttt_steps=3)
     hook.remove()
     out = OUT / name
-    from speculators.train.checkpointer import convert_float_dtype  # noqa: PLC0415 (same module as the trainer's)
-    model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
-    patch_config_dtype(out / "config.json", torch.bfloat16)
+    save_like_trainer(model, out)
     return {
         "tool": "speculators==0.9.0", "dir": str(out), "aux_ids_in_file": list(aux_ids),
         "aux_layers_0based_outputs": aux0, "draft_vocab_size": draft_vocab,
@@ -160,20 +174,8 @@ def make_peagle(name, ids, layer_out, *, arch, num_layers, aux_ids, draft_vocab,
     import speculators.models.peagle.core as pcore
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle import PEagleDraftModel
-    from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
-    from speculators.train.cli import create_transformer_layer_config
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    torch.manual_seed(0)
-    base_dir = str(OUT / "base")
-    tl = create_transformer_layer_config(verifier_name_or_path=base_dir, num_layers=num_layers, draft_arch=arch,
-                                         hidden_act="silu", sliding_window=2048,
-                                         full_attention_indices=list(range(num_layers)))
-    d2t = t2d = None
-    if draft_vocab != V:
-        freq = {int(t): int(c) for t, c in enumerate(torch.randint(1, 1000, (V,), generator=torch.Generator()
-                                                                   .manual_seed(7)))}
-        d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, V)
+    base_dir, tl, d2t, t2d = layer_config_and_vocab(num_layers, arch, draft_vocab, full_attention=True)
     model = PEagleDraftModel.from_training_args(
         verifier_config=tl, t2d=t2d, d2t=d2t, verifier_name_or_path=base_dir, target_layer_ids=list(aux_ids),
         draft_vocab_size=draft_vocab, norm_before_residual=nbr, norm_before_fc=False, norm_output=False,
@@ -198,8 +200,7 @@ def make_peagle(name, ids, layer_out, *, arch, num_layers, aux_ids, draft_vocab,
         hook.remove()
         pcore.generate_cod_sample_indices = orig
     out = OUT / name
-    model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
-    patch_config_dtype(out / "config.json", torch.bfloat16)
+    save_like_trainer(model, out)
     anchor, depth = _every_chain(S - 1)
     return {"tool": "speculators==0.9.0", "dir": str(out), "aux_layers_0based_outputs": [j - 1 for j in aux_ids],
             "draft_vocab_size": draft_vocab, "num_layers": num_layers, "mask_token_id": MASK,
