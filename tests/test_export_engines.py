@@ -627,14 +627,12 @@ def test_trtllm_serves_mistral_eagle3_two_model_and_no_dflash_off_its_one_model_
 
 
 
-def test_the_trtllm_two_model_check_leaves_bases_no_family_writes_to_the_other_checks(monkeypatch):
+def test_the_trtllm_two_model_check_leaves_bases_no_family_writes_to_the_other_checks(monkeypatch, tmp_path):
     """The TensorRT-LLM branch asked for the base's HF architecture unguarded: a FamilyError (not an ExportError,
     which a --target all export skips per engine) would end the whole export (diff review; the bases that reach it
     today all have a family, so the failure is forced here)."""
     import nemo_spec.checkpoint.families as fams
     from nemo_spec.checkpoint.families import FamilyError
-    from nemo_spec.export import draft_state_dict
-    from nemo_spec.export.eagle import eagle3_to_engine
 
     model = _model("eagle3_reduced")
 
@@ -642,5 +640,6 @@ def test_the_trtllm_two_model_check_leaves_bases_no_family_writes_to_the_other_c
         raise FamilyError("no Hugging Face architecture can hold this model: (forced)")
 
     monkeypatch.setattr(fams, "family_for_export", no_family)
-    _, _, launch = eagle3_to_engine(draft_state_dict(model), model.model_config, model.spec_config, "trtllm")
+    out = export_model(model, tmp_path / "d", dtype="fp32", target="trtllm", include_base=False)
+    launch = json.loads((out / "export_info.json").read_text())["engines"]["trtllm"]["launch"]
     assert "eagle3_one_model" not in launch

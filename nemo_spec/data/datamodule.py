@@ -176,7 +176,7 @@ class DataParallelBatchSampler(Sampler[List[int]]):
         self.shuffle, self.seed, self.drop_last, self.accumulation = shuffle, seed, drop_last, accumulation
         self.epoch = 0
         self._skip = 0
-        step = self.mbs * self.size * self.accumulation
+        self.step = step = self.mbs * self.size * self.accumulation  # global samples per optimizer step
         if drop_last and self.n < step:
             parts = f"micro_batch_size={self.mbs} x data_parallel={self.size}"
             if accumulation > 1:
@@ -201,8 +201,7 @@ class DataParallelBatchSampler(Sampler[List[int]]):
 
     def samples_per_epoch(self) -> int:
         """Global samples one epoch serves (whole optimizer steps with drop_last)."""
-        step = self.mbs * self.size * self.accumulation
-        return (self.n // step) * step if self.drop_last else self.n
+        return (self.n // self.step) * self.step if self.drop_last else self.n
 
     def __len__(self) -> int:
         gb = self.mbs * self.size

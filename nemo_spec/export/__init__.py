@@ -231,21 +231,24 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
     files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
     entries: Dict[str, Any] = {}
     skipped: Dict[str, str] = {}
+    from nemo_spec.checkpoint.families import FamilyError, family_for_export
+    from nemo_spec.export.engines import TRTLLM_TWO_MODEL, base_unsupported
+
+    try:
+        arch: Optional[str] = family_for_export(cfg).architecture
+    except FamilyError:  # a base no family writes: the base export names the field
+        arch = None
     for eng in engines:
         sub = "draft" if target != "all" else f"draft/{eng}"
         launch: Dict[str, Any] = {}
         try:
-            from nemo_spec.checkpoint.families import FamilyError, family_for_export
-            from nemo_spec.export.engines import base_unsupported
-
-            try:
-                why = base_unsupported(eng, fmt, family_for_export(cfg).architecture)
-            except FamilyError:  # a base no family writes: the base export names the field
-                why = None
+            why = base_unsupported(eng, fmt, arch) if arch is not None else None
             if why:
                 raise ExportError(why)
             if fmt == "eagle3":
                 tensors, conf, launch = eagle_fmt.eagle3_to_engine(neutral, cfg, spec, eng)
+                if eng == "trtllm" and arch in TRTLLM_TWO_MODEL:  # its class holds no draft (engines/__init__.py)
+                    launch["eagle3_one_model"] = False
             elif fmt == "eagle1":
                 tensors, conf = eagle_fmt.eagle1_to_engine(neutral, cfg, spec, embedding, eng)
             elif fmt == "dflash":  # one z-lab-format directory that every claiming engine reads as is

@@ -302,15 +302,6 @@ def eagle3_to_engine(neutral: Mapping[str, torch.Tensor], cfg: ModelConfig, spec
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(uniq), "use_aux_hidden_state": True}
     elif engine == "trtllm":  # EagleDecodingConfig.eagle3_layers_to_capture: 0-based layer outputs (engines.trtllm)
         launch["eagle3_layers_to_capture"] = list(uniq)
-        from nemo_spec.checkpoint.families import FamilyError, family_for_export
-        from nemo_spec.export.engines import TRTLLM_TWO_MODEL
-
-        try:
-            arch = family_for_export(cfg).architecture
-        except FamilyError:  # a base no family writes (its export names the field): not a two-model class
-            arch = None
-        if arch in TRTLLM_TWO_MODEL:  # its class holds no draft (engines/__init__.py)
-            launch["eagle3_one_model"] = False
         if n_layers > 1:
             # later TensorRT-LLM builds layers >= 1 as regular layers (h-wide qkv, no input_layernorm) unless
             # eagle_config.next_layer_regular is false (modeling_speculative.py @ 00679c66c3e3,

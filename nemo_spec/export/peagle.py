@@ -120,7 +120,7 @@ def peagle_from_speculators(tensors: Mapping[str, torch.Tensor], conf: Mapping[s
     layer_conf = {k: v for k, v in conf.items() if k != "norm_output"}
     layer_conf["nemo_spec_aux"] = {"aux_layers": list(aux), "captured": list(uniq)}
     opts = file_options(layer_conf)  # absent: false, as vLLM's update_peagle reads them (speculators/algos.py:53-88)
-    used = sorted(k for k, v in opts.items() if v and k != "norm_output")
+    used = sorted(k for k, v in opts.items() if v)
     if used:  # imported as it was, these drafts drafted other tokens (max logit error 3.1: review)
         why = " (the speculators trainer's P-EAGLE default)" if used == ["norm_before_residual"] else ""
         raise ExportError(f"the P-EAGLE draft was trained with {', '.join(f'{k}=true' for k in used)}{why}, which "

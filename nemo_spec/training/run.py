@@ -175,9 +175,13 @@ def token_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+#: the ``resume`` values that start from scratch
+NO_RESUME = (None, "", "none")
+
+
 def resolve_resume(cfg: TrainConfig, ckpt_dir: Path) -> Optional[str]:
     """Checkpoint directory to resume from ('auto' -> ckpt_dir/last when it exists)."""
-    if cfg.resume in (None, "", "none"):
+    if cfg.resume in NO_RESUME:
         return None
     if cfg.resume == "auto":
         last = ckpt_dir / "last"
@@ -282,30 +286,31 @@ def check_resume_settings(resume: str, settings: Dict[str, Any]) -> None:
                           f"weights instead, set model_path to a checkpoint saved from it, e.g. its final/)")
 
 
+def _set_aside(old: Path, numbered: Callable[[int], Path]) -> Path:
+    """Move ``old`` to the first ``numbered(k)``, k = 1, 2, ..., that does not exist; returns it."""
+    k = 1
+    while numbered(k).exists():
+        k += 1
+    os.replace(old, numbered(k))
+    return numbered(k)
+
+
 def _keep_earlier_metrics(run_dir: Path) -> None:
     """Lightning's CSVLogger deletes an existing csv/metrics.csv; a resumed run keeps it as metrics.<k>.csv."""
     old = run_dir / "csv" / "metrics.csv"
-    if not old.is_file():
-        return
-    k = 1
-    while (old.parent / f"metrics.{k}.csv").exists():
-        k += 1
-    os.replace(old, old.parent / f"metrics.{k}.csv")
-    log.info("resuming: the earlier rows of %s are kept in %s", old, old.parent / f"metrics.{k}.csv")
+    if old.is_file():
+        kept = _set_aside(old, lambda k: old.parent / f"metrics.{k}.csv")
+        log.info("resuming: the earlier rows of %s are kept in %s", old, kept)
 
 
 def _set_aside_earlier_checkpoints(ckpt_dir: Path) -> None:
     """A fresh start (resume=null) in a used run_dir: the earlier run's checkpoints move to checkpoints.<k>/.
     Left in place, Lightning wrote the new run's beside them as ``step...-v1`` / ``last-v1`` while ``last`` kept
     pointing at the old run, which the next ``resume=auto`` then continued (training review)."""
-    if not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
-        return
-    k = 1
-    while ckpt_dir.with_name(f"{ckpt_dir.name}.{k}").exists():
-        k += 1
-    os.replace(ckpt_dir, ckpt_dir.with_name(f"{ckpt_dir.name}.{k}"))
-    log.warning("resume=null: the earlier run's checkpoints in %s are kept in %s; this run starts from scratch",
-                ckpt_dir, ckpt_dir.with_name(f"{ckpt_dir.name}.{k}"))
+    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        kept = _set_aside(ckpt_dir, lambda k: ckpt_dir.with_name(f"{ckpt_dir.name}.{k}"))
+        log.warning("resume=null: the earlier run's checkpoints in %s are kept in %s; this run starts from scratch",
+                    ckpt_dir, kept)
 
 
 def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module]] = None, tokenizer: Any = None,
@@ -330,7 +335,7 @@ def train(cfg: TrainConfig, model_factory: Optional[Callable[[], torch.nn.Module
     resume = resolve_resume(cfg, ckpt_dir)
     if resume is not None:  # before anything is written into the run directory
         check_resume_settings(resume, settings)
-    elif cfg.resume in (None, "", "none") and _writes_run_files():
+    elif cfg.resume in NO_RESUME and _writes_run_files():
         _set_aside_earlier_checkpoints(ckpt_dir)
     save_resolved_config(cfg, run_dir, yaml_text)
     from nemo_spec import parallel
