@@ -1,8 +1,10 @@
-"""Write tiny llama.cpp-style GGUF files from a transformers Llama/Qwen2 model (for the GGUF import tests).
+"""Write tiny llama.cpp-style GGUF files from a transformers Llama/Qwen2/Qwen3/Qwen3-MoE model (for the GGUF import
+tests).
 
-Tensors are written the way llama.cpp's ``convert_hf_to_gguf.py`` writes them: llama.cpp names, ggml shape
-order, ``attn_q`` / ``attn_k`` rows permuted for the ``llama`` architecture (``LlamaModel.permute``), each
-tensor in the storage type asked for. Q*_0/Q*_1/Q8_0/BF16 are quantized with ``gguf.quants.quantize``; the
+Tensors are written the way llama.cpp's ``convert_hf_to_gguf.py`` writes them: llama.cpp names (gguf-py
+``tensor_mapping.py``), ggml shape order, ``attn_q`` / ``attn_k`` rows permuted for the ``llama`` architecture
+(``LlamaModel.permute``), a MoE layer's experts stacked into one [experts, rows, cols] tensor per projection
+(``Qwen2MoeModel.modify_tensors``: ``torch.stack`` over the experts), each tensor in the storage type asked for. Q*_0/Q*_1/Q8_0/BF16 are quantized with ``gguf.quants.quantize``; the
 K-quants (which the gguf package can only dequantize) get random blocks with small, finite f16 scales.
 """
 from __future__ import annotations
@@ -89,22 +91,24 @@ def spm_vocab_size() -> int:
     return len(train_spm()[0])
 
 
-def _k_quant_blocks(rows: int, cols: int, qname: str, rng: np.random.Generator) -> np.ndarray:
+def _k_quant_blocks(shape: Tuple[int, ...], qname: str, rng: np.random.Generator) -> np.ndarray:
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qname]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
+    cols = shape[-1]
     assert cols % block == 0, (cols, block)
-    n = rows * cols // block
+    n = int(np.prod(shape)) // block
     blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     for off in _K_F16_OFFSETS[qname]:
         scale = rng.uniform(2e-4, 1e-3, size=n).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n, 2)
-    return blocks.reshape(rows, cols // block * size)
+    return blocks.reshape(*shape[:-1], cols // block * size)
 
 
 def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
-    """llama.cpp name -> float32 array (PyTorch [rows, cols] order) of a transformers Llama/Qwen2 model."""
+    """llama.cpp name -> float32 array (PyTorch [rows, cols] order) of a transformers Llama/Qwen2/Qwen3/Qwen3-MoE
+    model."""
     from nemo_spec.checkpoint.gguf import permute_qk
 
     cfg = model.config
@@ -118,8 +122,21 @@ def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
              "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             # Qwen3 per-head norms and the MoE router (gguf-py tensor_mapping.py ATTN_Q_NORM / ATTN_K_NORM /
+             # FFN_GATE_INP)
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight"}
     for i in range(cfg.num_hidden_layers):
+        experts = f"model.layers.{i}.mlp.experts."
+        if experts + "gate_up_proj" in sd:  # transformers 5: experts fused as [E, 2 * ff, h] (gate rows first)
+            gate, up = sd[experts + "gate_up_proj"].chunk(2, dim=1)
+            out.update({f"blk.{i}.ffn_gate_exps.weight": gate, f"blk.{i}.ffn_up_exps.weight": up,
+                        f"blk.{i}.ffn_down_exps.weight": sd[experts + "down_proj"]})
+        elif experts + "0.gate_proj.weight" in sd:  # transformers 4: one module per expert
+            for proj in ("gate", "up", "down"):
+                out[f"blk.{i}.ffn_{proj}_exps.weight"] = torch.stack(
+                    [sd[f"{experts}{e}.{proj}_proj.weight"] for e in range(cfg.num_experts)])
         for ours, theirs in names.items():
             k = f"model.layers.{i}.{ours}"
             if k not in sd:
@@ -136,11 +153,13 @@ def _gguf_tensors(model: torch.nn.Module, arch: str) -> Dict[str, np.ndarray]:
 def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: Optional[Dict[str, str]] = None,
                tokenizer: Union[bool, str] = True, pre: str = "gpt-2", seed: int = 0,
                metadata_arch: Optional[str] = None, add_space_prefix: Optional[bool] = None,
-               add_bos: Optional[bool] = True, meta_fn: Optional[Any] = None) -> Dict[str, np.ndarray]:
+               add_bos: Optional[bool] = True, meta_fn: Optional[Any] = None,
+               expert_ffn_key: bool = True) -> Dict[str, np.ndarray]:
     """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);
     ``tokenizer``: True / "gpt2" (byte-level BPE of :func:`train_bpe`), "llama" (SentencePiece vocabulary of
     :func:`train_spm`, no merges, as llama.cpp writes Llama-2's), or False; returns the float32 source arrays by
-    llama.cpp name. ``meta_fn(writer)`` adds metadata of its own after the tokenizer's."""
+    llama.cpp name. ``meta_fn(writer)`` adds metadata of its own after the tokenizer's; ``expert_ffn_key=False`` leaves
+    out ``<arch>.expert_feed_forward_length`` (optional in llama.cpp's loader)."""
     import gguf
 
     cfg = model.config
@@ -157,6 +176,14 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
+    if getattr(cfg, "head_dim", None):  # TextModel.set_gguf_parameters writes these when config.json has head_dim
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if getattr(cfg, "num_experts", None):  # TextModel / Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if expert_ffn_key:
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer == "llama":
         tokens, scores, types = train_spm()
@@ -205,7 +232,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
         elif qname == "F16":
             w.add_tensor(name, arr.astype(np.float16))
         elif qname in _K_F16_OFFSETS:
-            blocks = _k_quant_blocks(arr.shape[0], arr.shape[1], qname, rng)
+            blocks = _k_quant_blocks(arr.shape, qname, rng)
             w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType[qname])
         else:
             qt = gguf.GGMLQuantizationType[qname]
@@ -219,7 +246,9 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
-    """A random tiny transformers Llama (GQA) or Qwen2 (qkv bias, tied) model with hidden 256 (fits K-quants)."""
+    """A random tiny transformers Llama (GQA), Qwen2 (qkv bias, tied), Qwen3 (q/k norms, head_dim 128 != hidden /
+    heads as in the real Qwen3 models, tied) or Qwen3-MoE (4 experts, top 2, renormalised) model with hidden 256
+    (fits K-quants)."""
     import transformers
 
     tokens, _ = train_bpe()
@@ -231,10 +260,25 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
         cfg = transformers.LlamaConfig(**{**base, "tie_word_embeddings": False,
                                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **kw})
         model = transformers.LlamaForCausalLM(cfg)
-    else:
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**{**base, "tie_word_embeddings": True,
                                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**{**base, "tie_word_embeddings": True, "head_dim": 128,
+                                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        # norm_topk_prob: llama.cpp's qwen3moe graph always renormalises (transformers' GGUF loader sets it too);
+        # moe_intermediate_size: transformers 5.25's GGUF loader does not read expert_feed_forward_length (ggml.py
+        # "qwen3_moe" mapping), so only Qwen3MoeConfig's default, 768 (Qwen3-30B-A3B's), loads there
+        cfg = transformers.Qwen3MoeConfig(**{**base, "tie_word_embeddings": False, "head_dim": 64, "num_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+                                             "norm_topk_prob": True,
+                                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

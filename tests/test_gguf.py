@@ -1,5 +1,5 @@
 """GGUF import: logits equal transformers' (the original HF model, and transformers' own GGUF loading of the same
-file) for F32 and every supported quantized type, Llama (permuted Q/K) and Qwen2; tokenizer + chat template from
+file) for F32 and every supported quantized type, Llama (permuted Q/K), Qwen2, Qwen3 and Qwen3-MoE; tokenizer + chat template from
 the metadata (byte-level BPE and SentencePiece, equal to transformers' GGUF tokenizer); load_model / convert_hf.py dispatch; TP=2; clear errors. SmolLM2 (the real file) in an opt-in test."""
 from __future__ import annotations
 
@@ -102,6 +102,62 @@ def test_qwen2_unpermuted_with_qkv_bias_and_tied_embeddings(tmp_path):
     ours = _ours(load_model(path), x)
     assert (ours - _hf(_hf_gguf(path), x)).abs().max().item() < 1e-4
     assert (ours - _hf(m, x)).abs().max().item() < 0.05  # F16 weights: close to the original
+
+
+#: Qwen3 / Qwen3-MoE storage types: K-quants on the stacked expert tensors too (each expert a block-aligned slab)
+QWEN3_TYPES = {"token_embd": "Q8_0", "blk.0.attn_q.": "Q4_K", "blk.0.attn_k.": "Q5_0", "blk.1.ffn_": "Q6_K",
+               "blk.0.ffn_gate_exps": "Q4_K", "blk.0.ffn_down_exps": "Q6_K", "blk.0.ffn_up_exps": "Q8_0",
+               "output.weight": "Q5_K"}
+
+
+@pytest.mark.parametrize("kind,arch", [("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe")])
+def test_qwen3_and_qwen3_moe_logits_equal_transformers_gguf(kind, arch, tmp_path):
+    """The architectures llama.cpp writes Qwen3 / Qwen3-MoE as: per-head q/k norms, head_dim 128 != hidden / heads
+    (key_length), experts stacked per projection; F32 equals the original model, quantized files equal transformers'
+    own GGUF loading of the same file."""
+    m = tiny_hf_model(kind)
+    f32, quant = tmp_path / f"{arch}-f32.gguf", tmp_path / f"{arch}-q.gguf"
+    write_gguf(f32, m, arch=arch, pre="qwen2")
+    write_gguf(quant, m, arch=arch, pre="qwen2", qtypes=QWEN3_TYPES)
+    import gguf
+
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(quant)).tensors}
+    assert stored["blk.1.attn_q_norm.weight"] == "F32"
+    if kind == "qwen3_moe":
+        assert stored["blk.0.ffn_gate_exps.weight"] == "Q4_K" and stored["blk.1.ffn_gate_exps.weight"] == "Q6_K"
+    cfg = read_checkpoint_config(f32)
+    model = cfg["model"]
+    assert cfg["architectures"] == [type(m).__name__] and model["qk_layernorm"]
+    assert model["head_dim"] == m.config.head_dim and not model["add_qkv_bias"]
+    if kind == "qwen3_moe":
+        assert (model["num_moe_experts"], model["moe_router_topk"], model["moe_ffn_hidden_size"],
+                model["moe_renormalize"]) == (4, 2, 768, True)
+    x = _ids(m.config.vocab_size)
+    assert (_ours(load_model(f32), x) - _hf(m, x)).abs().max().item() < 1e-4
+    ours, ref = _ours(load_model(quant), x), _hf(_hf_gguf(quant), x)
+    assert (ours - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-4
+    assert (ours - _hf(m, x)).abs().max().item() > 1e-3  # quantized: really not the F32 weights
+
+
+def test_qwen3_moe_expert_size_from_the_tensors_and_refusals(tmp_path):
+    """Without expert_feed_forward_length (optional for llama.cpp) the experts' size comes from their tensors; expert
+    tensors in a llama file (Mixtral as llama.cpp writes it) and shared experts are refused by name."""
+    m = tiny_hf_model("qwen3_moe")
+    f = tmp_path / "nokey.gguf"
+    write_gguf(f, m, arch="qwen3moe", pre="qwen2", expert_ffn_key=False, tokenizer=False)
+    assert "qwen3moe.expert_feed_forward_length" not in G.read_metadata(G.open_gguf(f))
+    assert read_checkpoint_config(f)["model"]["moe_ffn_hidden_size"] == 768
+    x = _ids(m.config.vocab_size)
+    assert (_ours(load_model(f), x) - _hf(m, x)).abs().max().item() < 1e-4
+    mixtral = tmp_path / "mixtral-as-llama.gguf"
+    write_gguf(mixtral, m, arch="qwen3moe", metadata_arch="llama", tokenizer=False)
+    with pytest.raises(G.GGUFError, match=r"this 'llama' file holds mixture-of-experts tensors.*qwen3moe only"):
+        load_model(mixtral)
+    shexp = tmp_path / "shexp.gguf"
+    write_gguf(shexp, m, arch="qwen3moe", tokenizer=False,
+               meta_fn=lambda w: w.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((8, 256), np.float32)))
+    with pytest.raises(G.GGUFError, match=r"tensor 'blk.0.ffn_up_shexp.weight' is a shared expert"):
+        load_model(shexp)
 
 
 def test_tokenizer_and_chat_template_from_metadata(llama, tmp_path, monkeypatch):
@@ -469,10 +525,6 @@ def test_clear_errors(llama, tmp_path):
         load_model(tq)
     with pytest.raises(G.GGUFError, match="tensor 'blk.0.attn_zzz.weight' is not a known llama.cpp tensor"):
         G.hf_name("blk.0.attn_zzz.weight")
-    for moe in ("blk.0.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight", "blk.0.ffn_gate_inp.weight"):
-        # llama.cpp writes Mixtral as architecture 'llama' with expert tensors
-        with pytest.raises(G.GGUFError, match=f"tensor '{moe}' belongs to a mixture-of-experts model"):
-            G.hf_name(moe)
 
 
 def _smollm2_file() -> Path | None:

@@ -6,11 +6,13 @@ each in its own storage type. Import:
 
 - tensors are dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
   Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) to float32, then cast to the requested dtype;
-- llama.cpp names (``blk.N.attn_q.weight``, ``token_embd.weight`` ...) map to the Hugging Face Llama / Qwen2
-  names, and the Hugging Face -> megatron layout mapping of :mod:`nemo_spec.checkpoint.hf` does the rest;
+- llama.cpp names (``blk.N.attn_q.weight``, ``token_embd.weight`` ...) map to the Hugging Face Llama / Qwen2 /
+  Qwen3 / Qwen3-MoE names, and the Hugging Face -> megatron layout mapping of :mod:`nemo_spec.checkpoint.hf` does
+  the rest; a Qwen3-MoE layer's experts, stacked by llama.cpp's converter into one [experts, rows, cols] tensor per
+  projection (``ffn_{gate,up,down}_exps``), are split back into one tensor per expert;
 - for ``llama`` files, llama.cpp's converter permuted the rows of ``attn_q`` / ``attn_k`` from the rotate-half
   RoPE layout to its interleaved one (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); that is undone here.
-  Qwen2 files use llama.cpp's NEOX RoPE and are stored unpermuted;
+  Qwen2 / Qwen3 / Qwen3-MoE files use llama.cpp's NEOX RoPE and are stored unpermuted;
 - the ``gpt2``-model (byte-level BPE) and ``llama``-model (SentencePiece BPE with byte fallback: Llama-2,
   Mistral, TinyLlama) tokenizers are rebuilt with ``tokenizers`` as transformers builds them from the same file,
   and written as a Hugging Face tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with the
@@ -43,7 +45,15 @@ log = logging.getLogger(__name__)
 PathLike = Union[str, os.PathLike]
 GGUF_MAGIC = b"GGUF"
 #: GGUF ``general.architecture`` -> Hugging Face architecture it is imported as
-SUPPORTED_ARCHITECTURES: Dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES: Dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                           "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+#: GGUF architecture -> Hugging Face ``model_type`` where the two names differ
+_MODEL_TYPES: Dict[str, str] = {"qwen3moe": "qwen3_moe"}
+#: architectures whose layers are mixtures of experts (llama.cpp ``moe_mandatory``: every layer routed, no shared
+#: expert for qwen3moe)
+_MOE_ARCHITECTURES = ("qwen3moe",)
+#: architectures with per-head q/k RMSNorm weights (``attn_q_norm`` / ``attn_k_norm``)
+_QK_NORM_ARCHITECTURES = ("qwen3", "qwen3moe")
 #: storage types dequantized on import (names of ``gguf.GGMLQuantizationType``)
 SUPPORTED_TYPES: Tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -145,7 +155,7 @@ def _uniform(value: Any, key: str, source: str) -> Any:
 
 
 def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source: str) -> Dict[str, Any]:
-    """The Hugging Face config.json dict equivalent to a GGUF file's metadata (llama / qwen2)."""
+    """The Hugging Face config.json dict equivalent to a GGUF file's metadata (llama / qwen2 / qwen3 / qwen3moe)."""
     arch = _arch(meta, source)
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -170,6 +180,15 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
     if "rope_freqs.weight" in names:
         raise GGUFError(f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 style "
                         f"scaling) is not supported")
+    moe = arch in _MOE_ARCHITECTURES
+    if not moe and any(n.split(".")[-2].endswith("_exps") or ".ffn_gate_inp." in n for n in names):
+        # llama.cpp writes Mixtral as general.architecture=llama with expert tensors (ffn_*_exps, ffn_gate_inp)
+        raise GGUFError(f"{source}: this {arch!r} file holds mixture-of-experts tensors (ffn_*_exps, ffn_gate_inp, as "
+                        f"llama.cpp writes Mixtral); MoE GGUF files are supported for qwen3moe only (convert the "
+                        f"Hugging Face checkpoint instead)")
+    shared = sorted(n for n in names if "_shexp" in n)
+    if shared:
+        raise GGUFError(f"{source}: tensor {shared[0]!r} is a shared expert, which {arch!r} does not have")
     hidden = count("embedding_length", required=True)
     heads = count("attention.head_count", required=True)
     key_length = get("attention.key_length")
@@ -191,10 +210,10 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
                             f"are missing)")
         vocab = len(tokens) if tokens else None
     cfg: Dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden, "num_hidden_layers": count("block_count", required=True),
         "num_attention_heads": heads, "num_key_value_heads": count("attention.head_count_kv", heads),
-        "head_dim": head_dim, "intermediate_size": count("feed_forward_length", required=True),
+        "head_dim": head_dim, "intermediate_size": count("feed_forward_length", required=not moe),
         "max_position_embeddings": count("context_length", 2048),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)), "hidden_act": "silu",
@@ -208,6 +227,18 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if arch in _QK_NORM_ARCHITECTURES:
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    if moe:
+        # llama.cpp's qwen3moe graph renormalises the top-k weights unconditionally (build_moe_ffn's norm_w = true;
+        # transformers' GGUF loader sets norm_topk_prob=True for the same reason, integrations/ggml.py "qwen3_moe")
+        cfg.update(num_experts=count("expert_count", required=True),
+                   num_experts_per_tok=count("expert_used_count", required=True),
+                   moe_intermediate_size=(count("expert_feed_forward_length")
+                                          if get("expert_feed_forward_length") is not None else None),
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if cfg["intermediate_size"] is None:
+            cfg.pop("intermediate_size")
     for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                          ("pad_token_id", "padding_token_id")):
         v = _token_id(meta, theirs, vocab, source)
@@ -271,6 +302,12 @@ def read_gguf_config(path: PathLike) -> Tuple[ModelConfig, Dict[str, Any]]:
     if hf_cfg["vocab_size"] is None:
         emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
         hf_cfg["vocab_size"] = int(emb.shape[1])
+    if hf_cfg.get("moe_intermediate_size", 0) is None:  # no expert_feed_forward_length: the experts' own shape says
+        gate = next((t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight"), None)
+        if gate is None:
+            raise GGUFError(f"{source}: cannot tell the experts' feed-forward size (no "
+                            f"{meta['general.architecture']}.expert_feed_forward_length, no blk.0.ffn_gate_exps)")
+        hf_cfg["moe_intermediate_size"] = int(gate.shape[1])  # ggml order: [n_embd, n_ff_exp, n_expert]
     return _model_config(hf_cfg, source), hf_cfg
 
 
@@ -287,7 +324,14 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
+    # Qwen3 / Qwen3-MoE (gguf-py 0.19.0 tensor_mapping.py ATTN_Q_NORM / ATTN_K_NORM / FFN_GATE_INP)
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+#: stacked expert tensors [n_expert, rows, cols] -> the Hugging Face per-expert projection they hold (llama.cpp
+#: convert_hf_to_gguf.py Qwen2MoeModel.modify_tensors: ``torch.stack`` of ``mlp.experts.{e}.{w}_proj`` over e)
+_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 #: llama.cpp tensors that carry nothing the model needs (precomputed RoPE tables)
@@ -295,20 +339,20 @@ _IGNORED = ("attn_rot_embd",)
 
 
 def hf_name(gguf_name: str, source: str = "GGUF file") -> Optional[str]:
-    """The Hugging Face Llama/Qwen2 name of a llama.cpp tensor name (None for tensors that are skipped)."""
+    """The Hugging Face Llama/Qwen2/Qwen3 name of a llama.cpp tensor name (None for tensors that are skipped). A
+    stacked expert tensor gives the name pattern of its experts, ``model.layers.N.mlp.experts.{e}.gate_proj.weight``
+    (split by :func:`load_gguf_state_dict`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         if parts[2] in _LAYER_NAMES:
             return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        if parts[2] in _EXPERT_NAMES:
+            return f"model.layers.{parts[1]}.mlp.experts.{{e}}.{_EXPERT_NAMES[parts[2]]}.weight"
         if any(parts[2].startswith(x) for x in _IGNORED):
             return None
-    if len(parts) > 2 and (parts[2].split(".")[0].endswith("_exps") or parts[2].startswith("ffn_gate_inp")):
-        # llama.cpp writes Mixtral as general.architecture=llama with expert tensors (ffn_*_exps, ffn_gate_inp)
-        raise GGUFError(f"{source}: tensor {gguf_name!r} belongs to a mixture-of-experts model; MoE GGUF files are not "
-                        f"supported (convert the Hugging Face checkpoint instead)")
-    raise GGUFError(f"{source}: tensor {gguf_name!r} is not a known llama.cpp tensor of a Llama/Qwen2 model")
+    raise GGUFError(f"{source}: tensor {gguf_name!r} is not a known llama.cpp tensor of a Llama/Qwen2/Qwen3 model")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -345,7 +389,8 @@ def dequantize(tensor: Any, dtype: torch.dtype = torch.float32, source: str = "G
 
 def load_gguf_state_dict(path: PathLike, hf_cfg: Optional[Dict[str, Any]] = None, dtype: torch.dtype = torch.float32,
                          reader: Any = None) -> Dict[str, torch.Tensor]:
-    """A GGUF file's tensors dequantized to ``dtype`` under Hugging Face names (Q/K un-permuted for llama)."""
+    """A GGUF file's tensors dequantized to ``dtype`` under Hugging Face names (Q/K un-permuted for llama, stacked
+    experts split into one tensor per expert)."""
     from tqdm import tqdm
 
     source = str(Path(path))
@@ -364,6 +409,12 @@ def load_gguf_state_dict(path: PathLike, hf_cfg: Optional[Dict[str, Any]] = None
         if name is None:
             continue
         w = dequantize(t, torch.float32, source)
+        if "{e}" in name:
+            if w.dim() != 3:
+                raise GGUFError(f"{source}: expert tensor {t.name!r} has shape {tuple(w.shape)}, not [experts, rows, "
+                                f"cols]")
+            out.update({name.format(e=e): w[e].to(dtype) for e in range(w.shape[0])})
+            continue
         if permuted and ".attn_q." in t.name:
             w = unpermute_qk(w, heads)
         elif permuted and ".attn_k." in t.name:
