@@ -3,6 +3,7 @@ Bearer keys, and EAGLE / Medusa / P-EAGLE / DFlash / prompt-lookup decoding at b
 decoding."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -187,3 +188,88 @@ def test_engine_failure_is_a_500_and_the_worker_survives(model, tok, monkeypatch
                                                            "temperature": 0, "ignore_eos": True}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_request_prepared_during_a_switch_goes_to_the_new_model(model, tok, tok_dir, tmp_path, monkeypatch):
+    """A request being tokenized when its model is switched used to reach the old instance's closed batcher and get
+    503 model_unloading although the name was still served: it is now prepared again for the new instance."""
+    from nemo_spec.checkpoint.hf import export_hf
+    from nemo_spec.serve import app as app_mod
+
+    other = tiny_model(tok, seed=1)
+    ckpt_b = export_hf(clone_model(other), tmp_path / "hf_b", tokenizer_dir=tok_dir)
+    admin = {"Authorization": "Bearer sk-admin"}
+    prompt = "the cat sat on"
+    with live_server(model, tok, name="tiny", admin_key="sk-admin") as srv:
+        switched = []
+        orig_encode = app_mod._encode
+
+        def encode_then_switch(served, text, add_special_tokens):  # the switch lands while this request is prepared
+            if not switched:
+                switched.append(httpx.post(srv.url + "/admin/models/switch", headers=admin, timeout=300,
+                                           json={"name": "tiny", "path": str(ckpt_b)}).status_code)
+            return orig_encode(served, text, add_special_tokens)
+
+        monkeypatch.setattr(app_mod, "_encode", encode_then_switch)
+        r = httpx.post(srv.url + "/v1/completions", timeout=300,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert switched == [200]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _greedy_text(clone_model(other), tok, prompt, 8)  # the new weights
+
+
+def test_concurrent_switches_both_apply(model, tok, tok_dir, tmp_path, monkeypatch):
+    """Two switches sent together both apply: each merges onto the spec as the other left it (the second used to
+    merge onto the spec from before the first, silently undoing it)."""
+    import threading
+
+    from nemo_spec.checkpoint.hf import export_hf
+    from nemo_spec.serve import models as models_mod
+
+    ckpt_b = export_hf(clone_model(tiny_model(tok, seed=1)), tmp_path / "hf_b", tokenizer_dir=tok_dir)
+    admin = {"Authorization": "Bearer sk-admin"}
+    with live_server(model, tok, name="tiny", admin_key="sk-admin", path=str(ckpt_b)) as srv:
+        orig_build = models_mod.build_served_model
+
+        def slow_build(*a, **kw):  # a load that takes a while, as a real checkpoint's does
+            time.sleep(0.5)
+            return orig_build(*a, **kw)
+
+        monkeypatch.setattr(models_mod, "build_served_model", slow_build)
+        codes = []
+
+        def switch(body):
+            codes.append(httpx.post(srv.url + "/admin/models/switch", json={"name": "tiny", **body}, headers=admin,
+                                    timeout=300).status_code)
+
+        first = threading.Thread(target=switch, args=({"method": "prompt_lookup"},))
+        first.start()
+        time.sleep(0.1)
+        switch({"max_batch": 2})
+        first.join()
+        assert codes == [200, 200]
+        (m,) = httpx.get(srv.url + "/admin/models", headers=admin).json()["models"]
+        assert (m["method"], m["max_batch"], m["path"]) == ("prompt_lookup", 2, str(ckpt_b))
+
+
+def test_client_hanging_up_mid_body_is_not_a_server_error(model, tok):
+    """A client that declares a body and hangs up before sending it all used to be logged as an unhandled error
+    (two tracebacks) and counted as a 500; it is a 499 (client closed request) now, and the server answers on."""
+    import socket
+
+    with live_server(model, tok, name="tiny") as srv:
+        host, port = srv.url.split("//")[1].split(":")
+        for _ in range(2):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\":")
+        ok = httpx.post(srv.url + "/v1/completions", timeout=60,
+                        json={"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
+        for _ in range(50):  # the server notices the hang-ups asynchronously
+            metrics = httpx.get(srv.url + "/metrics").text
+            if metrics.count('code="499",endpoint="/v1/completions"'):
+                break
+            time.sleep(0.1)
+        assert 'nemo_spec_requests_total{code="499",endpoint="/v1/completions"} 2' in metrics
+        assert 'code="500"' not in metrics

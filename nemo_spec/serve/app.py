@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nemo_spec.config import ConfigError
 from nemo_spec.serve import protocol as P
@@ -23,7 +24,7 @@ from nemo_spec.serve.batching import BatcherClosedError, GenRequest, QueueFullEr
 from nemo_spec.serve.chat_template import ChatTemplateError, messages_to_dicts
 from nemo_spec.serve.config import ModelSpec, ServeConfig
 from nemo_spec.serve.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
-from nemo_spec.serve.models import ModelLoadError, ModelManager, ServedModel
+from nemo_spec.serve.models import ModelLoadError, ModelManager, ServedModel, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -390,6 +391,12 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
                          code="not_found" if exc.status_code == 404 else None)
         return SafeJSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client hung up while its request body was still arriving: nobody to answer, nothing went wrong here
+        log.info("client disconnected while sending its request to %s", request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
@@ -446,6 +453,30 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
             raise P.APIError(503, str(e), "server_error", None, code) from e
         return _Job(served, gen, prompt_tokens, len(rows))
 
+    #: how many times a request is prepared again for a model switched while it was being prepared
+    SWITCH_RETRIES = 3
+
+    async def submit_current(req: P._Request, prepare: Any) -> Tuple[ServedModel, _Job, Any]:
+        """Prepare the request for the model serving ``req.model`` (``await prepare(served)`` -> (prompts,
+        max_tokens, extra stop strings, anything else)) and submit it. A switch that replaced the model while the
+        request was being prepared (tokenized for the old instance, whose batcher now refuses it) is not the
+        client's problem: the request is prepared again for the instance serving the name now."""
+        served = manager.get(req.model)
+        for attempt in range(SWITCH_RETRIES + 1):
+            prompts, max_tokens, stop, extra = await prepare(served)
+            try:
+                return served, submit(served, req, prompts, max_tokens, asyncio.get_running_loop(), stop), extra
+            except P.APIError as e:
+                if e.code != "model_unloading" or attempt == SWITCH_RETRIES:
+                    raise
+                newer = manager.get(req.model)  # 404 when the model was unloaded, not switched
+                if newer is served:
+                    raise
+                log.info("model %r was switched while a request was being prepared; preparing it again",
+                         req.model)
+                served = newer
+        raise AssertionError("unreachable")
+
     async def collect(job: _Job, request: Request) -> bool:
         """Wait for all choices; False when the client went away (generation cancelled)."""
         try:
@@ -464,14 +495,18 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         req = await parse_body(request, P.ChatCompletionRequest)
         req.check_supported()
         refuse_if_shutting_down()
-        served = manager.get(req.model)
+        manager.get(req.model)
         check_rows(1, req.n)
         chars = sum(len(m.text()) for m in req.messages)
         check_prompt_chars(chars, "messages")
-        prompt = await run_in_threadpool(_chat_prompt, served, req)  # rendering + tokenizing: off the event loop
-        max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(), served.spec.default_max_tokens,
-                                        "messages")
-        job = submit(served, req, [prompt], max_tokens, asyncio.get_running_loop(), served.template.stop_strings)
+
+        async def prepare(served: ServedModel) -> Tuple[List[List[int]], int, Sequence[str], None]:
+            prompt = await run_in_threadpool(_chat_prompt, served, req)  # rendering + tokenizing: off the event loop
+            max_tokens = _resolve_max_tokens(served, [prompt], req.effective_max_tokens(),
+                                             served.spec.default_max_tokens, "messages")
+            return [prompt], max_tokens, served.template.stop_strings, None
+
+        served, job, _ = await submit_current(req, prepare)
         rid, created = P.new_id("chatcmpl"), P.now()
         # the reply's role: the assistant's, or without a generation prompt the last message's; echo (vLLM's
         # extension) starts it with the last message when the roles match (vllm 0.34.0 entrypoints/openai/
@@ -501,14 +536,18 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         req = await parse_body(request, P.CompletionRequest)
         req.check_supported()
         refuse_if_shutting_down()
-        served = manager.get(req.model)
+        manager.get(req.model)
         prompt_list = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         check_rows(len(prompt_list), req.n)  # before any prompt is tokenized or decoded
         check_prompt_chars(sum(len(p) for p in prompt_list if isinstance(p, str)), "prompt")
-        prompts, texts = await run_in_threadpool(_completion_prompts, served, prompt_list, req.echo)  # off the loop
-        max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(), COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                        "prompt")
-        job = submit(served, req, prompts, max_tokens, asyncio.get_running_loop())
+
+        async def prepare(served: ServedModel) -> Tuple[List[List[int]], int, Sequence[str], List[str]]:
+            prompts, texts = await run_in_threadpool(_completion_prompts, served, prompt_list, req.echo)  # off loop
+            max_tokens = _resolve_max_tokens(served, prompts, req.effective_max_tokens(),
+                                             COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+            return prompts, max_tokens, (), texts
+
+        served, job, texts = await submit_current(req, prepare)
         rid, created = P.new_id("cmpl"), P.now()
         echo = [texts[i // req.n] if req.echo else "" for i in range(job.num_choices)]
         if req.stream:
@@ -561,17 +600,24 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
 
     async def _load(request: Request, replace: bool) -> JSONResponse:
         data = await read_json_object(request)
-        if replace:  # a switch keeps what the request leaves out (method, options, max_batch, ...) of the model now
-            data = {**manager.get(str(data.get("name", ModelSpec.name))).spec.to_dict(), **data}  # 404 if none
+        if replace:
+            # a switch keeps what the request leaves out (method, options, max_batch, ...) of the model as it is when
+            # the switch runs: merged under the manager's admin lock, so that two switches sent together both apply
+            manager.get(str(data.get("name", ModelSpec.name)))  # 404 if none
+            load, arg = manager.switch, data
+        else:
+            try:
+                arg = ModelSpec.from_dict(data, "admin request")
+            except (ConfigError, TypeError) as e:
+                raise P.invalid(str(e)) from e
+            if arg.name in manager.names():
+                raise P.APIError(409, f"model `{arg.name}` is already loaded; unload it or use /admin/models/switch",
+                                 "invalid_request_error", "name", "model_exists")
+            load = manager.add
         try:
-            spec = ModelSpec.from_dict(data, "admin request")
-        except (ConfigError, TypeError) as e:
+            served = await run_in_threadpool(load, arg)
+        except SpecError as e:
             raise P.invalid(str(e)) from e
-        if not replace and spec.name in manager.names():
-            raise P.APIError(409, f"model `{spec.name}` is already loaded; unload it or use /admin/models/switch",
-                             "invalid_request_error", "name", "model_exists")
-        try:
-            served = await run_in_threadpool(manager.add, spec, replace)
         except (ModelLoadError, ConfigError) as e:
             raise P.invalid(str(e), "path", "model_load_failed") from e
         return JSONResponse({"status": "switched" if replace else "loaded", "model": served.describe()})

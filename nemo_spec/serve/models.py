@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 class ModelLoadError(RuntimeError):
     """A model named in the serve config could not be loaded (message names the model and path)."""
+
+
+class SpecError(ValueError):
+    """An admin switch's fields, applied to the model's spec, do not make a valid ModelSpec (message names them)."""
 
 
 def _model_max_len(model: torch.nn.Module) -> int:
@@ -241,14 +245,30 @@ class ModelManager:
     def add(self, spec: ModelSpec, replace: bool = False, **kw: Any) -> ServedModel:
         """Load ``spec`` and serve it; an existing model of that name is replaced (after draining) if ``replace``."""
         with self._admin_lock:
-            if spec.name in self._models and not replace:
-                raise APIError(409, f"model `{spec.name}` is already loaded; unload it or use switch",
-                               "invalid_request_error", "name", "model_exists")
-            # loaded on a thread that ends here: the scheduler thread that decodes then holds the process's only
-            # CPU thread team (two teams make libgomp throttle every parallel op; see nemo_spec._threads)
-            served = in_fresh_thread(build_served_model, spec, self.max_queue, self.batch_wait_s, self.metrics, **kw)
-            old = self._models.get(spec.name)
-            self._models[spec.name] = served
+            return self._add_locked(spec, replace, **kw)
+
+    def switch(self, changes: Mapping[str, Any]) -> ServedModel:
+        """Replace the model ``changes["name"]`` by its spec with ``changes`` applied (what they leave out stays as
+        the model has it when the switch runs: merged under the admin lock, so concurrent switches all apply);
+        404 if no such model, :class:`SpecError` if the merged spec is invalid."""
+        with self._admin_lock:
+            current = self.get(str(changes.get("name", ModelSpec.name)))
+            try:
+                spec = ModelSpec.from_dict({**current.spec.to_dict(), **changes}, "admin request")
+            except (ConfigError, TypeError) as e:
+                raise SpecError(str(e)) from e
+            return self._add_locked(spec, replace=True)
+
+    def _add_locked(self, spec: ModelSpec, replace: bool, **kw: Any) -> ServedModel:
+        """:meth:`add` with the admin lock held by the caller."""
+        if spec.name in self._models and not replace:
+            raise APIError(409, f"model `{spec.name}` is already loaded; unload it or use switch",
+                           "invalid_request_error", "name", "model_exists")
+        # loaded on a thread that ends here: the scheduler thread that decodes then holds the process's only
+        # CPU thread team (two teams make libgomp throttle every parallel op; see nemo_spec._threads)
+        served = in_fresh_thread(build_served_model, spec, self.max_queue, self.batch_wait_s, self.metrics, **kw)
+        old = self._models.get(spec.name)
+        self._models[spec.name] = served
         if old is not None:
             log.info("switched model %r; draining the previous instance", spec.name)
             threading.Thread(target=old.close, kwargs={"drain": True}, daemon=True).start()
