@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast test-nemo test-modelopt test-speculators test-megatron-bridge test-smollm2 quickstart quickstart-smollm2 clean
+.PHONY: venv test test-fast test-nemo test-modelopt test-speculators test-megatron-bridge test-llamacpp test-smollm2 quickstart quickstart-smollm2 clean
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -90,6 +90,20 @@ $(BRIDGE_VENV)/.installed: tests/megatron_bridge/requirements.txt tests/megatron
 test-megatron-bridge: $(STAMP) $(BRIDGE_VENV)/.installed
 	$(call import_suite,$(BRIDGE_VENV),megatron_bridge,NEMO_SPEC_BRIDGE_EXPORTS)
 
+# GGUF import checked against llama.cpp itself (tests/llamacpp): llama-cpp-python 0.3.16, built from source in its side
+# environment (~8 min once), runs the GGUF files the tests write and quantizes them with llama.cpp's own quantizer;
+# the project's environment compares logits, tokenization and end-of-generation ids (~1 min)
+LLAMACPP_VENV ?= .venv-llamacpp
+$(LLAMACPP_VENV)/.installed: tests/llamacpp/requirements.txt tests/llamacpp/constraints.txt
+	$(call side_venv,$(LLAMACPP_VENV),llamacpp)
+	CMAKE_ARGS="-DLLAMA_CURL=OFF -DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.16
+	touch $@
+
+test-llamacpp: $(STAMP) $(LLAMACPP_VENV)/.installed
+	NEMO_SPEC_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/llamacpp
+
 quickstart: $(STAMP)
 	$(BIN)/python scripts/quickstart.py
 
@@ -103,4 +117,4 @@ test-smollm2: $(STAMP)
 	NEMO_SPEC_TEST_SMOLLM2=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_gguf.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) $(SPECULATORS_VENV) $(BRIDGE_VENV) .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) $(MODELOPT_VENV) $(SPECULATORS_VENV) $(BRIDGE_VENV) $(LLAMACPP_VENV) .pytest_cache
