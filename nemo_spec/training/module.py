@@ -338,6 +338,8 @@ class SpeculativeLightningModule(pl.LightningModule):
         the restarted epoch (lightning 2.6.6 loops/fit_loop.py:447-452)."""
         self._resumed_epoch = self.current_epoch if self._apply_resume_position() else None
         loop = self.trainer.fit_loop
+        if self._resumed_epoch is not None:
+            self._rebase_batch_progress()
         if self._resumed_epoch is not None and self._epoch_offset < 0 and loop.max_epochs not in (None, -1):
             # Lightning counted the unfinished data epoch of a checkpoint saved when training ended as done: the
             # resumed run finishes it in a training epoch of its own, which max_epochs must not take from the data
@@ -350,6 +352,26 @@ class SpeculativeLightningModule(pl.LightningModule):
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and sched.last_epoch > 0:
                 for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
                     group["lr"] = base * fn(sched.last_epoch)
+
+    def _rebase_batch_progress(self) -> None:
+        """Count the restored epoch's micro-batches in this run's layout. Lightning restores its batch counters as the
+        checkpoint's run counted them, in micro-batches of that run's size, and decides with them when to step the
+        optimizer (``ready % accumulate_grad_batches``), when an epoch ends and when to validate: a resume with
+        another split of the optimizer step (DP size, train_bs, accumulation) stepped on part of a step's samples,
+        ended epochs early and trained samples twice or never (training review). The data position (whole
+        optimizer steps, in samples) says how many of this run's micro-batches the epoch and the run have had; every
+        counter moves by the same amount, so Lightning's restart bookkeeping (ready / started / processed /
+        completed) keeps its shape."""
+        if not self.samples_per_batch:
+            return
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        acc = self.trainer.accumulate_grad_batches
+        for counts, want in ((progress.current, self._consumed_in_epoch // self.samples_per_batch),
+                             (progress.total, self.trainer.global_step * acc)):
+            shift = want - counts.ready
+            if shift:
+                for field in ("ready", "started", "processed", "completed"):
+                    setattr(counts, field, getattr(counts, field) + shift)
 
     def on_train_epoch_start(self) -> None:
         # Lightning 2.4 does call it for the restarted epoch, after on_train_start (2.4.0 loops/fit_loop.py:345-346):
