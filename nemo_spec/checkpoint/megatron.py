@@ -104,6 +104,10 @@ def _gguf_file_format(p: Path) -> Optional[str]:
     return None
 
 
+#: what marks a training checkpoint of scripts/train.py (nemo_spec.training.strategy.META_NAME)
+TRAIN_META_NAME = "nemo_spec_train.json"
+
+
 def detect_format(path: PathLike) -> str:
     """Which checkpoint format ``path`` holds: 'nemo_spec', 'megatron_legacy', 'megatron_dist', 'megatron_bridge',
     'nemo2', 'hf' or 'gguf' (a llama.cpp GGUF file)."""
@@ -134,6 +138,13 @@ def detect_format(path: PathLike) -> str:
         raise CheckpointError(f"{cfg_json} has neither an 'architectures' nor a 'model_type' field, so {p} is not a "
                               f"Hugging Face model directory")
     found = sorted(x.name for x in p.iterdir())[:12]
+    if (p / TRAIN_META_NAME).is_file():
+        raise CheckpointError(
+            f"{p} is a checkpoint of a training run (the draft and its optimizer state, for resuming with "
+            f"resume=...), not a model: generation, export and serving take the run's final/ directory, which "
+            f"training writes when it ends ({p.parent.parent / 'final'} if this is <run_dir>/checkpoints/...). To "
+            f"write final/ from this checkpoint, run the training command again with resume={p} and trainer.max_steps "
+            f"set to the checkpoint's step: it trains nothing and saves final/")
     if (p / DIST_METADATA).is_file():
         raise CheckpointError(
             f"{p} is a Megatron distributed (torch_dist) checkpoint without a model config: it has no {CONFIG_NAME}, "

@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     import torch
 
     from nemo_spec import parallel
-    from nemo_spec.checkpoint import find_tokenizer_dir, load_model
+    from nemo_spec.checkpoint import detect_format, find_tokenizer_dir, load_model
     from nemo_spec.data.chat import load_tokenizer
     from nemo_spec.inference.generate import end_of_sequence_ids, generate, get_engine
     from nemo_spec.inference.proposers import make_proposer
@@ -203,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin: TextIO = sys.stdin, stdout
     prompts = read_prompts(args, stdin)
     if not os.path.exists(args.model):
         raise SamplingError(f"--model {args.model}: no such checkpoint directory")
+    detect_format(args.model)  # a directory that is not a model is named as such before the tokenizer is looked for
     tok_path = args.tokenizer or find_tokenizer_dir(args.model)
     if tok_path is None:
         raise SamplingError(f"no tokenizer found with checkpoint {args.model}; pass --tokenizer")

@@ -249,6 +249,10 @@ def data_digest(path: Any, fmt: str = "auto") -> Optional[str]:
     return h.hexdigest()[:16]
 
 
+#: the run setting that records the samples per optimizer step
+GLOBAL_BATCH = "global batch (samples per optimizer step)"
+
+
 def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     """What a run resumed from a training checkpoint must share with the run that wrote it, as ``section.field``
     -> value: the base, the data and its split, the draft, the loss and the optimiser, the global batch (samples
@@ -261,7 +265,7 @@ def resume_settings(cfg: TrainConfig, global_batch: int) -> Dict[str, Any]:
     out.update(_data_settings(cfg, _RESUME_DATA))
     # the same path with other contents: another split and shuffle (validation samples trained on) resumed silently
     out[DATA_DIGEST] = data_digest(cfg.data.path, cfg.data.format)
-    out.update({"trainer.seed": cfg.trainer.seed, "global batch (samples per optimizer step)": int(global_batch)})
+    out.update({"trainer.seed": cfg.trainer.seed, GLOBAL_BATCH: int(global_batch)})
     return json.loads(json.dumps(out))
 
 
@@ -280,8 +284,13 @@ def check_resume_settings(resume: str, settings: Dict[str, Any]) -> None:
     diff = setting_differences(saved, settings, "in the checkpoint")
     if diff:
         shown = "; ".join(diff[:4])
+        hint = ""
+        if saved.get(GLOBAL_BATCH) != settings.get(GLOBAL_BATCH) and isinstance(saved.get(GLOBAL_BATCH), int):
+            # trainer.global_batch_size: null makes it train_bs x DP size, so another DP size or train_bs changes it
+            hint = (f" To resume on another DP size or train_bs, keep the checkpoint's global batch: "
+                    f"trainer.global_batch_size={saved[GLOBAL_BATCH]} (the split into micro-batches may change).")
         raise ConfigError(f"resume={resume}: this run's settings differ from the checkpoint's ({shown}"
-                          f"{'; ...' if len(diff) > 4 else ''}). Resume with the same settings, or start a new run: "
+                          f"{'; ...' if len(diff) > 4 else ''}).{hint} Resume with the same settings, or start a new run: "
                           f"another run_dir, or resume=null to train from scratch in this one (to start from its "
                           f"weights instead, set model_path to a checkpoint saved from it, e.g. its final/)")
 

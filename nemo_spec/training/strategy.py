@@ -35,13 +35,13 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from nemo_spec import parallel
 from nemo_spec._cpu import apply_cpu_workarounds
-from nemo_spec.checkpoint.megatron import (DIST_METADATA, CheckpointError, _all_ok, _commit, _save_strategy,
-                                           check_sharded_shapes, dcp_io)
+from nemo_spec.checkpoint.megatron import (DIST_METADATA, TRAIN_META_NAME, CheckpointError, _all_ok, _commit,
+                                           _save_strategy, check_sharded_shapes, dcp_io)
 
 log = logging.getLogger(__name__)
 
 CKPT_FORMAT = "nemo_spec_train_ckpt_v2"
-META_NAME = "nemo_spec_train.json"  # written last into the temporary dir, before the rename
+META_NAME = TRAIN_META_NAME  # nemo_spec_train.json: written last into the temporary dir, before the rename
 V1_META_NAME = "meta.json"  # the older per-TP-rank torch.save format (refused with a clear message)
 
 
