@@ -1138,6 +1138,19 @@ def test_resume_refuses_other_data_at_the_same_path(base, tmp_path):
         train(cfg(), save_final=False)
 
 
+def _train_recorded(cfg, monkeypatch, callback, stop_at=None):
+    """train(cfg) with ``callback`` on its Trainer, stopped after global step ``stop_at`` if given."""
+    import nemo_spec.training.run as run_mod
+
+    orig = run_mod.build_trainer
+    extra = (lambda t: _with_stop(t, stop_at)) if stop_at else (lambda t: t)
+    monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: extra(_append(orig(*a, **k), callback)))
+    try:
+        return train(cfg, save_final=False)
+    finally:
+        monkeypatch.setattr(run_mod, "build_trainer", orig)
+
+
 class _Batches(pl.Callback):
     def __init__(self):
         self.rows = []
@@ -1155,7 +1168,6 @@ def test_max_epochs_runs_resume_with_the_uninterrupted_batches(base, tmp_path, m
     the first batches before the data position was restored (diff review). All: the uninterrupted run's batches."""
     model_path, data = base
     small = write_daring_anteater(synthetic_chats(9, seed=6), tmp_path / "small.jsonl")  # 8 train + 1 validation
-    import nemo_spec.training.run as run_mod
 
     def run(name, stop_at=None):
         c = small_train_config(tmp_path / name, "eagle3", steps=-1, max_epochs=3, ckpt_every_n_steps=every)
@@ -1163,13 +1175,7 @@ def test_max_epochs_runs_resume_with_the_uninterrupted_batches(base, tmp_path, m
         c.model_path, c.data.path, c.resume = str(model_path), str(small), "auto"
         c.data.num_workers = workers
         rec = _Batches()
-        orig = run_mod.build_trainer
-        extra = (lambda t: _with_stop(t, stop_at)) if stop_at else (lambda t: t)
-        monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: extra(_append(orig(*a, **k), rec)))
-        try:
-            res = train(c, save_final=False)
-        finally:
-            monkeypatch.setattr(run_mod, "build_trainer", orig)
+        res = _train_recorded(c, monkeypatch, rec, stop_at)
         return res, rec.rows
 
     full, want = run("full")
@@ -1211,7 +1217,6 @@ def test_resume_with_another_micro_batch_split_trains_the_same_samples_per_step(
     # 2.4 leaves `last` at the last validation's step, not the stop's (a resume from there retrains steps 2-3, a
     # separate matter), which is not what this test is about
     validate = 2 if every != 1000 else 0
-    import nemo_spec.training.run as run_mod
 
     def run(name, train_bs, stop_at=None):
         c = small_train_config(tmp_path / name, "eagle3", steps=-1, max_epochs=3, ckpt_every_n_steps=every,
@@ -1219,13 +1224,7 @@ def test_resume_with_another_micro_batch_split_trains_the_same_samples_per_step(
         c.trainer.train_bs = train_bs
         c.model_path, c.data.path, c.resume = str(model_path), str(small), "auto"
         rec = _StepSamples()
-        orig = run_mod.build_trainer
-        extra = (lambda t: _with_stop(t, stop_at)) if stop_at else (lambda t: t)
-        monkeypatch.setattr(run_mod, "build_trainer", lambda *a, **k: extra(_append(orig(*a, **k), rec)))
-        try:
-            res = train(c, save_final=False)
-        finally:
-            monkeypatch.setattr(run_mod, "build_trainer", orig)
+        res = _train_recorded(c, monkeypatch, rec, stop_at)
         return res, {k: sorted(v) for k, v in rec.steps.items()}, rec.validated
 
     full, want, val_want = run("full", before)
