@@ -4,8 +4,8 @@ tests).
 Tensors are written the way llama.cpp's ``convert_hf_to_gguf.py`` writes them: llama.cpp names (gguf-py
 ``tensor_mapping.py``), ggml shape order, ``attn_q`` / ``attn_k`` rows permuted for the ``llama`` architecture
 (``LlamaModel.permute``), a MoE layer's experts stacked into one [experts, rows, cols] tensor per projection
-(``Qwen2MoeModel.modify_tensors``: ``torch.stack`` over the experts), each tensor in the storage type asked for. Q*_0/Q*_1/Q8_0/BF16 are quantized with ``gguf.quants.quantize``; the
-K-quants (which the gguf package can only dequantize) get random blocks with small, finite f16 scales.
+(``Qwen2MoeModel.modify_tensors``: ``torch.stack`` over the experts), each tensor in the storage type asked for.
+Q*_0/Q*_1/Q8_0/BF16 are quantized with ``gguf.quants.quantize``; the K-quants (which the gguf package can only dequantize) get random blocks with small, finite f16 scales.
 """
 from __future__ import annotations
 
@@ -154,12 +154,12 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
                tokenizer: Union[bool, str] = True, pre: str = "gpt-2", seed: int = 0,
                metadata_arch: Optional[str] = None, add_space_prefix: Optional[bool] = None,
                add_bos: Optional[bool] = True, meta_fn: Optional[Any] = None,
-               expert_ffn_key: bool = True) -> Dict[str, np.ndarray]:
+               omit: Tuple[str, ...] = ()) -> Dict[str, np.ndarray]:
     """Write ``model`` as a GGUF file; ``qtypes`` maps tensor-name prefixes to storage types (default F32);
     ``tokenizer``: True / "gpt2" (byte-level BPE of :func:`train_bpe`), "llama" (SentencePiece vocabulary of
     :func:`train_spm`, no merges, as llama.cpp writes Llama-2's), or False; returns the float32 source arrays by
-    llama.cpp name. ``meta_fn(writer)`` adds metadata of its own after the tokenizer's; ``expert_ffn_key=False`` leaves
-    out ``<arch>.expert_feed_forward_length`` (optional in llama.cpp's loader)."""
+    llama.cpp name. ``meta_fn(writer)`` adds metadata of its own after the tokenizer's; ``omit`` leaves out the
+    optional ``<arch>.feed_forward_length`` / ``<arch>.expert_feed_forward_length`` keys it names."""
     import gguf
 
     cfg = model.config
@@ -169,7 +169,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if "feed_forward_length" not in omit:
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
@@ -182,7 +183,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str = "llama", qtypes: 
     if getattr(cfg, "num_experts", None):  # TextModel / Qwen2MoeModel.set_gguf_parameters
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if expert_ffn_key:
+        if "expert_feed_forward_length" not in omit:
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer == "llama":

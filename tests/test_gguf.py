@@ -140,12 +140,15 @@ def test_qwen3_and_qwen3_moe_logits_equal_transformers_gguf(kind, arch, tmp_path
 
 
 def test_qwen3_moe_expert_size_from_the_tensors_and_refusals(tmp_path):
-    """Without expert_feed_forward_length (optional for llama.cpp) the experts' size comes from their tensors; expert
-    tensors in a llama file (Mixtral as llama.cpp writes it) and shared experts are refused by name."""
+    """Without expert_feed_forward_length (optional for llama.cpp) the experts' size comes from their tensors, and a
+    MoE file needs no feed_forward_length (no dense layer uses it); expert tensors in a llama file (Mixtral as
+    llama.cpp writes it) and shared experts are refused by name."""
     m = tiny_hf_model("qwen3_moe")
     f = tmp_path / "nokey.gguf"
-    write_gguf(f, m, arch="qwen3moe", pre="qwen2", expert_ffn_key=False, tokenizer=False)
-    assert "qwen3moe.expert_feed_forward_length" not in G.read_metadata(G.open_gguf(f))
+    write_gguf(f, m, arch="qwen3moe", pre="qwen2", omit=("expert_feed_forward_length", "feed_forward_length"),
+               tokenizer=False)
+    meta = G.read_metadata(G.open_gguf(f))
+    assert "qwen3moe.expert_feed_forward_length" not in meta and "qwen3moe.feed_forward_length" not in meta
     assert read_checkpoint_config(f)["model"]["moe_ffn_hidden_size"] == 768
     x = _ids(m.config.vocab_size)
     assert (_ours(load_model(f), x) - _hf(m, x)).abs().max().item() < 1e-4

@@ -166,8 +166,11 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
             raise GGUFError(f"{source}: required metadata key {full!r} is missing")
         return default
 
-    def count(key: str, default: Any = None, required: bool = False) -> int:
+    def count(key: str, default: Any = None, required: bool = False) -> Optional[int]:
+        """The key's whole number >= 1; ``default`` (None: None) when it is absent and not required."""
         v = get(key, default, required)
+        if v is None:
+            return None
         try:
             n = int(v)
         except (TypeError, ValueError):
@@ -181,7 +184,7 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
         raise GGUFError(f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 style "
                         f"scaling) is not supported")
     moe = arch in _MOE_ARCHITECTURES
-    if not moe and any(n.split(".")[-2].endswith("_exps") or ".ffn_gate_inp." in n for n in names):
+    if not moe and any("_exps." in n or ".ffn_gate_inp." in n for n in names):
         # llama.cpp writes Mixtral as general.architecture=llama with expert tensors (ffn_*_exps, ffn_gate_inp)
         raise GGUFError(f"{source}: this {arch!r} file holds mixture-of-experts tensors (ffn_*_exps, ffn_gate_inp, as "
                         f"llama.cpp writes Mixtral); MoE GGUF files are supported for qwen3moe only (convert the "
@@ -234,8 +237,7 @@ def gguf_hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str], source:
         # transformers' GGUF loader sets norm_topk_prob=True for the same reason, integrations/ggml.py "qwen3_moe")
         cfg.update(num_experts=count("expert_count", required=True),
                    num_experts_per_tok=count("expert_used_count", required=True),
-                   moe_intermediate_size=(count("expert_feed_forward_length")
-                                          if get("expert_feed_forward_length") is not None else None),
+                   moe_intermediate_size=count("expert_feed_forward_length"),  # None: from the tensors
                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
         if cfg["intermediate_size"] is None:
             cfg.pop("intermediate_size")
