@@ -603,7 +603,7 @@ def create_app(cfg: ServeConfig, manager: Optional[ModelManager] = None) -> Fast
         if replace:
             # a switch keeps what the request leaves out (method, options, max_batch, ...) of the model as it is when
             # the switch runs: merged under the manager's admin lock, so that two switches sent together both apply
-            manager.get(str(data.get("name", ModelSpec.name)))  # 404 if none
+            # (404 if there is no such model)
             load, arg = manager.switch, data
         else:
             try:
