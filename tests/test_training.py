@@ -1060,6 +1060,21 @@ def test_resume_from_the_checkpoint_saved_when_training_ends_is_exact(base, tmp_
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
 
 
+@pytest.mark.parametrize("ckpt_every,expected", [(1000, 4), (3, 3)])
+def test_last_after_validations_is_the_train_end_or_the_last_periodic_checkpoint(base, tmp_path, ckpt_every,
+                                                                                  expected):
+    """With validation on, Lightning 2.4 (NeMo 2.7's pin) wrote `last` at every validation, and the train-end save
+    then skipped: a 4-step run validating at step 2 left `last` at step 2, and a resume redid steps 3-4. `last` now
+    follows Lightning >= 2.5 under both: the train end when no periodic checkpoint was written, else the latest."""
+    model_path, data = base
+    c = small_train_config(tmp_path / "run", "eagle3", steps=4, ckpt_every_n_steps=ckpt_every, val_check_interval=2)
+    c.model_path, c.data.path = str(model_path), str(data)
+    train(c, save_final=False)
+    last = tmp_path / "run" / "checkpoints" / "last"
+    assert json.loads((last / "nemo_spec_train.json").read_text())["global_step"] == expected
+    assert sorted(p.name for p in last.parent.iterdir()) == (["last"] if expected == 4 else ["last", "step0000003"])
+
+
 def test_more_max_steps_on_resume_take_the_new_schedule_from_the_first_step(base, tmp_path):
     """Raising trainer.max_steps on resume stretches the cosine schedule from there; the first resumed step ran at
     the restored rate of the old schedule (its min_lr, after a run that had reached its end)."""

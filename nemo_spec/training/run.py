@@ -97,6 +97,22 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
         elif self.save_last and not self._last_checkpoint_saved:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``last`` at a validation only where a checkpoint of this step exists or ``last`` already links one, as
+        Lightning >= 2.5 decides (callbacks/model_checkpoint.py ``on_validation_end``). 2.4 wrote ``last`` at every
+        validation, so the train-end save above saw a checkpoint and skipped: a run with no periodic checkpoint after
+        its last validation left ``last`` at that validation's step, and a resume redid the steps after it."""
+        if "on_train_end" in ModelCheckpoint.__dict__:
+            return super().on_validation_end(trainer, pl_module)
+        if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+            self._save_topk_checkpoint(trainer, candidates)
+        if self._last_global_step_saved == trainer.global_step or (self.save_last == "link"
+                                                                   and self._last_checkpoint_saved):
+            self._save_last_checkpoint(trainer, candidates)
+
 
 class StepBoundaryTimer(Timer):
     """Lightning's Timer (``trainer.max_time_s``; elapsed time kept in checkpoints), checked only right after an
