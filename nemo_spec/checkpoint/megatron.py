@@ -440,6 +440,11 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, (CheckpointError, KeyboardInterrupt, SystemExit)):
             raise err
+        if isinstance(err, EOFError):  # the writer's helper process died while starting
+            raise CheckpointError(
+                f"saving {target} failed: megatron-core's checkpoint writer could not start its helper process "
+                f"(EOFError; it uses multiprocessing 'spawn', which imports the calling script again: a script "
+                f"that saves must run its code under `if __name__ == \"__main__\":`); nothing was written") from err
         if err is not None:
             raise CheckpointError(f"saving {target} failed ({type(err).__name__}: {err}); nothing was written") from err
         raise CheckpointError(f"saving {target} failed on another rank; nothing was written")
