@@ -90,9 +90,9 @@ $(BRIDGE_VENV)/.installed: tests/megatron_bridge/requirements.txt tests/megatron
 test-megatron-bridge: $(STAMP) $(BRIDGE_VENV)/.installed
 	$(call import_suite,$(BRIDGE_VENV),megatron_bridge,NEMO_SPEC_BRIDGE_EXPORTS)
 
-# GGUF import checked against llama.cpp itself (tests/llamacpp): llama-cpp-python 0.3.16, built from source in its side
-# environment (~8 min once), runs the GGUF files the tests write and quantizes them with llama.cpp's own quantizer;
-# the project's environment compares logits, tokenization and end-of-generation ids (~1 min)
+# GGUF import checked against llama.cpp itself (tests/llamacpp/test_llamacpp_gguf.py): llama-cpp-python 0.3.16, built
+# from source in its side environment (~8 min once), runs the GGUF files the tests write and quantizes them with
+# llama.cpp's own quantizer; the project's environment compares logits, tokenization and end-of-generation ids (~1 min)
 LLAMACPP_VENV ?= .venv-llamacpp
 $(LLAMACPP_VENV)/.installed: tests/llamacpp/requirements.txt tests/llamacpp/constraints.txt
 	$(call side_venv,$(LLAMACPP_VENV),llamacpp)
@@ -100,8 +100,29 @@ $(LLAMACPP_VENV)/.installed: tests/llamacpp/requirements.txt tests/llamacpp/cons
 		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.16
 	touch $@
 
-test-llamacpp: $(STAMP) $(LLAMACPP_VENV)/.installed
-	NEMO_SPEC_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python OMP_NUM_THREADS=1 \
+# EAGLE-3 drafts served by llama.cpp (tests/llamacpp/test_llamacpp_eagle3.py): the llama.cpp source inside the
+# llama-cpp-python 0.3.36 sdist (commit 0c1e570, 2026-10; it serves EAGLE-3 and DFlash drafts), its
+# llama-speculative-simple built with cmake (~8 min once), and its converter's requirements in the same side environment
+LLAMACPP_SPEC_VERSION = 0.3.36
+LLAMACPP_CPP = $(LLAMACPP_VENV)/llama.cpp
+$(LLAMACPP_VENV)/.speculative: $(LLAMACPP_VENV)/.installed tests/llamacpp/requirements-convert.txt
+	$(LLAMACPP_VENV)/bin/python -m pip install -q -r tests/llamacpp/requirements-convert.txt \
+		-c tests/llamacpp/constraints.txt
+	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
+	$(LLAMACPP_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: -d $$d \
+		llama-cpp-python==$(LLAMACPP_SPEC_VERSION) && \
+	tar xzf $$d/llama_cpp_python-$(LLAMACPP_SPEC_VERSION).tar.gz -C $$d && rm -rf $(LLAMACPP_CPP) && \
+	mv $$d/llama_cpp_python-$(LLAMACPP_SPEC_VERSION)/vendor/llama.cpp $(LLAMACPP_CPP)
+	cmake -S $(LLAMACPP_CPP) -B $(LLAMACPP_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON \
+		> $(LLAMACPP_CPP)/cmake.log 2>&1 || (tail -40 $(LLAMACPP_CPP)/cmake.log; exit 1)
+	cmake --build $(LLAMACPP_CPP)/build --target llama-speculative-simple -j2 \
+		> $(LLAMACPP_CPP)/build.log 2>&1 || (tail -40 $(LLAMACPP_CPP)/build.log; exit 1)
+	touch $@
+
+test-llamacpp: $(STAMP) $(LLAMACPP_VENV)/.installed $(LLAMACPP_VENV)/.speculative
+	NEMO_SPEC_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python \
+	NEMO_SPEC_LLAMACPP_CPP=$(abspath $(LLAMACPP_CPP)) OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/llamacpp
 
 quickstart: $(STAMP)
