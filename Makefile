@@ -100,7 +100,7 @@ $(LLAMACPP_VENV)/.installed: tests/llamacpp/requirements.txt tests/llamacpp/cons
 		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.16
 	touch $@
 
-# EAGLE-3 drafts served by llama.cpp (tests/llamacpp/test_llamacpp_eagle3.py): the llama.cpp source inside the
+# EAGLE-3 and DFlash drafts served by llama.cpp (tests/llamacpp/test_llamacpp_spec.py): the llama.cpp source inside the
 # llama-cpp-python 0.3.36 sdist (commit 0c1e570, 2026-10; it serves EAGLE-3 and DFlash drafts), its
 # llama-speculative-simple built with cmake (~8 min once), and its converter's requirements in the same side environment
 LLAMACPP_SPEC_VERSION = 0.3.36

@@ -1,25 +1,30 @@
-"""EAGLE-3 drafts served by llama.cpp itself: our vLLM-layout export, converted by llama.cpp's own converter, drafts
+"""EAGLE-3 and DFlash drafts served by llama.cpp itself: our exports, converted by llama.cpp's own converter, draft
 exactly what our engine drafts.
 
 llama.cpp (the source vendored in llama-cpp-python 0.3.36, commit 0c1e570; `make test-llamacpp` builds its
 ``llama-speculative-simple`` and installs its converter's requirements) reads an EAGLE-3 draft directory with
 ``convert_hf_to_gguf.py <draft> --target-model-dir <base>`` (conversion/llama.py:49-103: detected by
 ``draft_vocab_size`` and one layer, aux ids from the top-level ``eagle_aux_hidden_state_layer_ids``) and runs it with
-``--spec-type draft-eagle3`` (src/models/eagle3.cpp, common/speculative.cpp ``common_speculative_impl_draft_eagle3``).
+``--spec-type draft-eagle3`` (src/models/eagle3.cpp, common/speculative.cpp ``common_speculative_impl_draft_eagle3``);
+a DFlash draft (the z-lab ``DFlashDraftModel`` directory) with the same command (conversion/qwen.py:664-858: block
+size, ``dflash_config.mask_token_id`` and ``target_layer_ids``, written +1 and extracted as the input of that layer,
+i.e. z-lab's ``hidden_states[id + 1]``) and ``--spec-type draft-dflash`` (src/models/dflash.cpp,
+``common_speculative_impl_draft_dflash``: one forward over [last token, mask x n_max], ``--spec-draft-n-max`` =
+block size - 1 for the trained block).
 
 What is compared, step by step: with ``-v`` llama.cpp logs the top 3 draft candidates at every draft position
-(speculative.cpp:801-806), their probabilities renormalised over the draft's top 10 (its only sampler:
-speculative.cpp:515-519), and the accepted count and the target's token after each verification
+(speculative.cpp:801-806; DFlash: 1298-1304), their probabilities renormalised over the draft's top 10 (its only
+sampler: speculative.cpp:515-519; DFlash: 1032-1038), and the accepted count and the target's token after each verification
 (speculative-simple.cpp:323). Our engine's EAGLE-3 chain, run greedily on the same base and draft, must give the same
-candidates with the same probabilities at every step both take from the same context, and both must generate our
-greedy autoregressive tokens. The one step that has no counterpart is llama.cpp's first: speculative-simple
+candidates with the same probabilities at every step both take from the same context (its DFlash block likewise),
+and both must generate our greedy autoregressive tokens. The one step that has no counterpart is llama.cpp's first: speculative-simple
 holds the last prompt token back (speculative-simple.cpp:127-142), so it drafts the first new token too, where our
 engine takes it from the prompt's forward.
 
 The base is a tiny random Llama with a SentencePiece-style vocabulary (llama.cpp's converter accepts a Llama
 byte-fallback tokenizer.json without a pre-tokenizer hash: conversion/llama.py:135-141), the draft is trained for a
 few steps on the base's own greedy text so that it is right often enough for llama.cpp to accept several tokens at
-once. A control shows the comparison catches a layer-numbering slip: the same draft with 0-based aux layer ids
+once. A control shows the comparison catches a layer-numbering slip: the same draft with its layer ids one lower
 drafts something else in llama.cpp.
 """
 from __future__ import annotations
@@ -59,16 +64,14 @@ def _convert(src: Path, dst: Path, target: Path = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(trained checkpoint, export dir, base GGUF, draft GGUF): base and draft converted by llama.cpp's converter."""
+def base_and_data(tmp_path_factory):
+    """An HF base dir (tiny random Llama, SentencePiece-style tokenizer) and its own greedy text for draft training."""
     from nemo_spec.checkpoint import gguf as G
     from nemo_spec.checkpoint import load_model
-    from nemo_spec.export import export_checkpoint
     from nemo_spec.inference import SamplingParams, generate
-    from nemo_spec.training import train
     from transformers import AutoTokenizer
 
-    d = tmp_path_factory.mktemp("eagle3_llamacpp")
+    d = tmp_path_factory.mktemp("llamacpp_spec")
     hf = tiny_hf_model("llama", vocab_size=spm_vocab_size(), num_hidden_layers=8, hidden_size=64,
                        intermediate_size=128)
     write_gguf(d / "tok.gguf", hf, tokenizer="llama")
@@ -83,25 +86,40 @@ def exported(tmp_path_factory):
     (d / "data").mkdir()
     for i, (p, r) in enumerate(zip(prompts, outs)):
         (d / "data" / f"{i}.txt").write_text(tok.decode(p[1:] + r.tokens, skip_special_tokens=True))
-    cfg = small_train_config(d / "run", "eagle3", steps=60)
-    cfg.model_path, cfg.data.path, cfg.data.format, cfg.data.max_seq_len = str(base), str(d / "data"), "text", 64
+    return base, d / "data"
+
+
+@pytest.fixture(scope="module", params=["eagle3", "dflash"])
+def exported(request, base_and_data, tmp_path_factory):
+    """(algorithm, trained checkpoint, export dir, base GGUF, draft GGUF): the draft trained for 60 steps, exported
+    (EAGLE-3: the vLLM layout; DFlash: its one format) and converted, with the base, by llama.cpp's converter."""
+    from nemo_spec.export import export_checkpoint
+    from nemo_spec.training import train
+
+    algorithm = request.param
+    base, data = base_and_data
+    d = tmp_path_factory.mktemp(algorithm)
+    cfg = small_train_config(d / "run", algorithm, steps=60)
+    cfg.model_path, cfg.data.path, cfg.data.format, cfg.data.max_seq_len = str(base), str(data), "text", 64
     cfg.optim.lr = 1e-2
+    if algorithm == "dflash":  # blocks of DEPTH + 1: llama.cpp drafts n_max = block - 1 tokens from one
+        cfg.spec.num_eagle_layers, cfg.spec.block_size, cfg.spec.num_anchors = 2, DEPTH + 1, 16
     train(cfg)
     final = d / "run" / "final"
     exp = export_checkpoint(final, d / "exp", target="vllm", dtype="fp32")
     _convert(exp / "base", d / "base.gguf")
-    _convert(exp / "draft", d / "eagle3.gguf", target=exp / "base")
-    return final, exp, d / "base.gguf", d / "eagle3.gguf"
+    _convert(exp / "draft", d / "draft.gguf", target=exp / "base")
+    return algorithm, final, exp, d / "base.gguf", d / "draft.gguf"
 
 
 Steps = Dict[int, List[List[Tuple[int, float]]]]
 
 
-def _llama_cpp(base: Path, draft: Path, prompt: str, n_prompt: int) -> Tuple[Steps, List[int], int]:
-    """llama.cpp's greedy EAGLE-3 run: ({tokens in the target's cache: top-3 (id, p) per draft position}, generated
+def _llama_cpp(algorithm: str, base: Path, draft: Path, prompt: str, n_prompt: int) -> Tuple[Steps, List[int], int]:
+    """llama.cpp's greedy speculative run: ({tokens in the target's cache: top-3 (id, p) per draft position}, generated
     ids, accepted draft tokens)."""
     proc = subprocess.run([str(Path(CPP) / "build" / "bin" / "llama-speculative-simple"), "-m", str(base), "-md",
-                           str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(DEPTH),
+                           str(draft), "--spec-type", f"draft-{algorithm}", "--spec-draft-n-max", str(DEPTH),
                            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--no-spec-draft-backend-sampling",
                            "-p", prompt, "-n", str(NEW_TOKENS), "--temp", "0", "--top-k", "1", "--seed", "0",
                            "-c", "256", "-t", "2", "-v"], capture_output=True)
@@ -124,34 +142,56 @@ def _llama_cpp(base: Path, draft: Path, prompt: str, n_prompt: int) -> Tuple[Ste
     return steps, gen[:NEW_TOKENS], accepted
 
 
-def _ours(model, ids: List[int], monkeypatch) -> Tuple[Steps, List[int], List[int]]:
-    """Our greedy EAGLE-3 chain: ({tokens in the target's cache: top-3 (id, p over the top 10) per draft position},
-    its tokens, greedy AR tokens)."""
-    import nemo_spec.inference.proposers.eagle as eagle
+def _top3(logits: torch.Tensor, ids: torch.Tensor = None) -> List[Tuple[int, float]]:
+    """Top 3 (base id, probability over the top 10) of draft logits [V] (``ids``: draft -> base ids)."""
+    top = logits.float().topk(10)
+    p = torch.softmax(top.values, -1)
+    return [(int(t if ids is None else ids[t]), float(q)) for t, q in zip(top.indices[:3], p[:3])]
+
+
+def _ours(algorithm: str, model, ids: List[int], monkeypatch) -> Tuple[Steps, List[int], List[int]]:
+    """Our greedy speculative run with the same draft length: ({tokens in the target's cache: top-3 (id, p over the
+    top 10) per draft position}, its tokens, greedy AR tokens)."""
     from nemo_spec.inference import SamplingParams, generate
+    from nemo_spec.inference.proposers import dflash, eagle
 
     steps: Steps = {}
-    chain, choose = eagle.EagleProposer._chain, eagle.choose
     cur: List[list] = []
+    if algorithm == "eagle3":  # the chain: one draft pass per position, each choosing from its logits
+        chain, choose = eagle.EagleProposer._chain, eagle.choose
 
-    def record_chain(self, sess, st, view, depth):
-        cur[:] = [int(st.lengths[0]), self.d2t_ids, []]
-        out = chain(self, sess, st, view, depth)
-        steps[cur[0]] = cur[2]
-        return out
+        def record_chain(self, sess, st, view, depth):
+            cur[:] = [int(st.lengths[0]), self.d2t_ids, []]
+            out = chain(self, sess, st, view, depth)
+            steps[cur[0]] = cur[2]
+            return out
 
-    def record_choose(st, logits, greedy):
-        top = logits[0].float().topk(10)
-        p = torch.softmax(top.values, -1)
-        cur[2].append([(int(cur[1][t]), float(q)) for t, q in zip(top.indices[:3], p[:3])])
-        return choose(st, logits, greedy)
+        def record_choose(st, logits, greedy):
+            cur[2].append(_top3(logits[0], cur[1]))
+            return choose(st, logits, greedy)
 
+        patches = [(eagle.EagleProposer, "_chain", record_chain), (eagle, "choose", record_choose)]
+    else:  # DFlash: one forward over the block; its last call in propose gives the slots' logits [b, k, V]
+        propose = dflash.DFlashProposer.propose
+
+        def record_propose(self, sess, st, level=None):
+            seen: List[torch.Tensor] = []
+            hook = self.spec.eagle_module.register_forward_hook(lambda m, a, out: seen.append(out[1]))
+            try:
+                tree = propose(self, sess, st, level)
+            finally:
+                hook.remove()
+            steps[int(st.lengths[0])] = [_top3(row) for row in seen[-1][0]]
+            return tree
+
+        patches = [(dflash.DFlashProposer, "propose", record_propose)]
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     ar = generate(model, [ids], params, method="ar")[0].tokens
+    method = "eagle" if algorithm == "eagle3" else "dflash"
     with monkeypatch.context() as mp:
-        mp.setattr(eagle.EagleProposer, "_chain", record_chain)
-        mp.setattr(eagle, "choose", record_choose)
-        spec = generate(model, [ids], params, method="eagle", options={"num_draft_tokens": DEPTH})[0].tokens
+        for obj, name, fn in patches:
+            mp.setattr(obj, name, fn)
+        spec = generate(model, [ids], params, method=method, options={"num_draft_tokens": DEPTH})[0].tokens
     return steps, spec, ar
 
 
@@ -174,34 +214,36 @@ def test_llama_cpp_drafts_what_our_engine_drafts(exported, prompt, monkeypatch):
     from nemo_spec.checkpoint import load_model
     from transformers import AutoTokenizer
 
-    final, exp, base_gguf, draft_gguf = exported
+    algorithm, final, exp, base_gguf, draft_gguf = exported
     ids = AutoTokenizer.from_pretrained(exp / "base")(prompt)["input_ids"]
-    theirs, their_tokens, accepted = _llama_cpp(base_gguf, draft_gguf, prompt, len(ids))
-    ours, our_tokens, ar = _ours(load_model(final), ids, monkeypatch)
+    theirs, their_tokens, accepted = _llama_cpp(algorithm, base_gguf, draft_gguf, prompt, len(ids))
+    ours, our_tokens, ar = _ours(algorithm, load_model(final), ids, monkeypatch)
     assert our_tokens == ar and their_tokens == ar  # both lossless, on the same base
     common = sorted(set(ours) & set(theirs))
     assert len(common) >= 5, (sorted(ours), sorted(theirs))
     # drafts after multi-token acceptances are compared too (the draft's cache catches up over several pairs)
-    assert accepted >= 3 and any(len(theirs[n]) == DEPTH for n in common)
+    assert accepted >= 3 and sum(len(theirs[n]) == DEPTH for n in common) >= 5
     assert _mismatches(ours, theirs) == []
     assert sum(len(ours[n]) for n in common) >= 5 * DEPTH
 
 
 def test_a_layer_numbering_slip_shows(exported, tmp_path, monkeypatch):
-    """The control: our 0-based aux layers written where llama.cpp (like vLLM) expects the input of layer id — the
-    features of one layer lower — make llama.cpp draft something else at once."""
+    """The control: layer ids one lower (for EAGLE-3 our 0-based aux layers written where llama.cpp, like vLLM,
+    expects the input of layer id) make llama.cpp draft from other features, and the comparison sees it."""
     from nemo_spec.checkpoint import load_model
     from transformers import AutoTokenizer
 
-    final, exp, base_gguf, _ = exported
+    algorithm, final, exp, base_gguf, _ = exported
     slip = tmp_path / "draft"
     shutil.copytree(exp / "draft", slip)
     conf = json.loads((slip / "config.json").read_text())
-    conf["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in conf["eagle_aux_hidden_state_layer_ids"]]
+    ids_of = conf if algorithm == "eagle3" else conf["dflash_config"]
+    key = "eagle_aux_hidden_state_layer_ids" if algorithm == "eagle3" else "target_layer_ids"
+    ids_of[key] = [i - 1 for i in ids_of[key]]
     (slip / "config.json").write_text(json.dumps(conf))
     _convert(slip, tmp_path / "slip.gguf", target=exp / "base")
     ids = AutoTokenizer.from_pretrained(exp / "base")(PROMPTS[0])["input_ids"]
-    theirs, their_tokens, _ = _llama_cpp(base_gguf, tmp_path / "slip.gguf", PROMPTS[0], len(ids))
-    ours, _, ar = _ours(load_model(final), ids, monkeypatch)
+    theirs, their_tokens, _ = _llama_cpp(algorithm, base_gguf, tmp_path / "slip.gguf", PROMPTS[0], len(ids))
+    ours, _, ar = _ours(algorithm, load_model(final), ids, monkeypatch)
     assert their_tokens == ar  # still lossless: only the drafts are wrong
     assert len(_mismatches(ours, theirs)) >= 5
