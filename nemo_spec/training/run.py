@@ -72,6 +72,10 @@ def planned_dp_size(tp: int, ep: int = 1) -> int:
     return world // tp
 
 
+#: Lightning decides ``last`` at a validation as below from 2.6.0 on (2.5.3 added only the train-end save)
+_LIGHTNING_2_6 = tuple(int(x) for x in pl.__version__.split(".")[:2]) >= (2, 6)
+
+
 class AtomicLinkCheckpoint(ModelCheckpoint):
     """ModelCheckpoint whose ``last`` link is swapped atomically: a fresh symlink is renamed over the old one, so a
     crash never leaves a run without ``last`` (Lightning's own version removes the link first)."""
@@ -90,7 +94,7 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``last`` when training ends before any checkpoint of this process (max_time_s, a stop, a run shorter than
-        ckpt_every_n_steps), as Lightning >= 2.5 saves it (callbacks/model_checkpoint.py ``on_train_end``); 2.4,
+        ckpt_every_n_steps), as Lightning >= 2.5.3 saves it (callbacks/model_checkpoint.py ``on_train_end``); 2.4,
         NeMo 2.7's pin, saved nothing, so such a run left nothing to resume."""
         if "on_train_end" in ModelCheckpoint.__dict__:
             super().on_train_end(trainer, pl_module)
@@ -99,14 +103,21 @@ class AtomicLinkCheckpoint(ModelCheckpoint):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``last`` at a validation only where a checkpoint of this step exists or ``last`` already links one, as
-        Lightning >= 2.5 decides (callbacks/model_checkpoint.py ``on_validation_end``). 2.4 wrote ``last`` at every
-        validation, so the train-end save above saw a checkpoint and skipped: a run with no periodic checkpoint after
-        its last validation left ``last`` at that validation's step, and a resume redid the steps after it."""
-        if "on_train_end" in ModelCheckpoint.__dict__:
+        Lightning >= 2.6 decides (callbacks/model_checkpoint.py ``on_validation_end``, Lightning#21244). Before 2.6
+        (2.4 is NeMo 2.7's pin) ``last`` was written at every validation, so the train-end save above saw a
+        checkpoint and skipped: a run with no periodic checkpoint after its last validation left ``last`` at that
+        validation's step, and a resume redid the steps after it. As in 2.6, a run killed after a validation but
+        before its next periodic checkpoint now resumes from that checkpoint, not from the validation."""
+        if _LIGHTNING_2_6:
             return super().on_validation_end(trainer, pl_module)
         if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
             return
         candidates = self._monitor_candidates(trainer)
+        if getattr(self, "_defer_save_until_validation", False):  # 2.5.x: a save waiting for a monitored metric
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+            self._defer_save_until_validation = False
+            return
         if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
             self._save_topk_checkpoint(trainer, candidates)
         if self._last_global_step_saved == trainer.global_step or (self.save_last == "link"
