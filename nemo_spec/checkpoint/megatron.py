@@ -443,8 +443,9 @@ def save_checkpoint(model: torch.nn.Module, path: PathLike, tokenizer_dir: Optio
         if isinstance(err, EOFError):  # the writer's helper process died while starting
             raise CheckpointError(
                 f"saving {target} failed: megatron-core's checkpoint writer could not start its helper process "
-                f"(EOFError; it uses multiprocessing 'spawn', which imports the calling script again: a script "
-                f"that saves must run its code under `if __name__ == \"__main__\":`); nothing was written") from err
+                f"(EOFError; usually because it uses multiprocessing 'spawn', which imports the calling script "
+                f"again: a script that saves must run its code under `if __name__ == \"__main__\":`); nothing was "
+                f"written") from err
         if err is not None:
             raise CheckpointError(f"saving {target} failed ({type(err).__name__}: {err}); nothing was written") from err
         raise CheckpointError(f"saving {target} failed on another rank; nothing was written")
