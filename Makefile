@@ -102,10 +102,11 @@ $(LLAMACPP_VENV)/.installed: tests/llamacpp/requirements.txt tests/llamacpp/cons
 
 # EAGLE-3 and DFlash drafts served by llama.cpp (tests/llamacpp/test_llamacpp_spec.py): the llama.cpp source inside the
 # llama-cpp-python 0.3.36 sdist (commit 0c1e570, 2026-10; it serves EAGLE-3 and DFlash drafts), its
-# llama-speculative-simple built with cmake (~8 min once), and its converter's requirements in the same side environment
+# llama-speculative-simple built with cmake and the C++ compiler (~13 min once on 2 cores), and its converter's
+# requirements in the same side environment
 LLAMACPP_SPEC_VERSION = 0.3.36
 LLAMACPP_CPP = $(LLAMACPP_VENV)/llama.cpp
-$(LLAMACPP_VENV)/.speculative: $(LLAMACPP_VENV)/.installed tests/llamacpp/requirements-convert.txt
+$(LLAMACPP_VENV)/.speculative-$(LLAMACPP_SPEC_VERSION): $(LLAMACPP_VENV)/.installed tests/llamacpp/requirements-convert.txt
 	$(LLAMACPP_VENV)/bin/python -m pip install -q -r tests/llamacpp/requirements-convert.txt \
 		-c tests/llamacpp/constraints.txt
 	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
@@ -113,14 +114,14 @@ $(LLAMACPP_VENV)/.speculative: $(LLAMACPP_VENV)/.installed tests/llamacpp/requir
 		llama-cpp-python==$(LLAMACPP_SPEC_VERSION) && \
 	tar xzf $$d/llama_cpp_python-$(LLAMACPP_SPEC_VERSION).tar.gz -C $$d && rm -rf $(LLAMACPP_CPP) && \
 	mv $$d/llama_cpp_python-$(LLAMACPP_SPEC_VERSION)/vendor/llama.cpp $(LLAMACPP_CPP)
-	cmake -S $(LLAMACPP_CPP) -B $(LLAMACPP_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-		-DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON \
+	cmake -S $(LLAMACPP_CPP) -B $(LLAMACPP_CPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_OPENMP=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON \
 		> $(LLAMACPP_CPP)/cmake.log 2>&1 || (tail -40 $(LLAMACPP_CPP)/cmake.log; exit 1)
 	cmake --build $(LLAMACPP_CPP)/build --target llama-speculative-simple -j2 \
 		> $(LLAMACPP_CPP)/build.log 2>&1 || (tail -40 $(LLAMACPP_CPP)/build.log; exit 1)
 	touch $@
 
-test-llamacpp: $(STAMP) $(LLAMACPP_VENV)/.installed $(LLAMACPP_VENV)/.speculative
+test-llamacpp: $(STAMP) $(LLAMACPP_VENV)/.installed $(LLAMACPP_VENV)/.speculative-$(LLAMACPP_SPEC_VERSION)
 	NEMO_SPEC_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python \
 	NEMO_SPEC_LLAMACPP_CPP=$(abspath $(LLAMACPP_CPP)) OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/llamacpp

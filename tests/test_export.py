@@ -472,3 +472,46 @@ def test_damaged_export_files_are_export_errors_naming_the_file(exported, tmp_pa
     with pytest.raises(ExportError, match="export_info.json.*engines"):
         verify_export(engines, model=model)
     assert verify_main([str(cut), "--checkpoint", str(ckpt)]) == 2
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({}, None),
+    ({"num_eagle_layers": 2}, "2 draft layers: its converter detects an EAGLE-3 draft only with one"),
+    ({"aux_layers": [0, 0, 1]}, "2 distinct aux layers [1, 2]: it needs exactly 3"),
+    ({"aux_layers": [0, 1, 3]}, "aux id 4 (the base's last layer's output)"),
+])
+def test_export_says_whether_and_how_llama_cpp_serves_an_eagle3_draft(tmp_path, kw, why):
+    """llama.cpp reads draft/vllm (tests/llamacpp/test_llamacpp_spec.py runs it); export_info.json and the README
+    say so with the converter and server commands, or name each of its limits the draft hits."""
+    model = make_model("eagle3", seed=5, **kw).eval()
+    exp = export_model(model, tmp_path / "e", dtype="fp32", include_base=True, target="all")
+    entry = json.loads((exp / "export_info.json").read_text())["llamacpp"]
+    readme = (exp / "README.md").read_text()
+    assert entry["dir"] == "draft/vllm" and entry["spec_type"] == "draft-eagle3"
+    if why is None:
+        assert entry["unsupported"] is None
+        assert (f"python convert_hf_to_gguf.py {exp / 'draft' / 'vllm'} --target-model-dir {exp / 'base'} "
+                f"--outtype f16 --outfile draft.gguf") in readme
+        assert "llama-server -m base.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 4" in readme
+    else:
+        assert why in entry["unsupported"] and f"Not served by llama.cpp 0c1e570" in readme
+        assert "convert_hf_to_gguf.py" not in readme
+
+
+def test_export_tells_llama_cpp_users_the_dflash_block_and_sglang_only_eagle3_needs_the_vllm_layout(tmp_path):
+    from nemo_spec.config import ModelConfig
+    from nemo_spec.export.llamacpp import llamacpp_entry
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=128, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64})
+    files = {"draft": ({}, {"block_size": 8})}
+    e = llamacpp_entry("dflash", files, {"sglang": {"dir": "draft"}}, cfg, "LlamaForCausalLM")
+    assert e["unsupported"] is None and e["n_max"] == 7 and e["spec_type"] == "draft-dflash"
+    assert any("block_size - 1" in n for n in e["notes"]) and any("rope_freqs" in n for n in e["notes"])
+    assert "Qwen2ForCausalLM graph hands a draft no layer inputs" in llamacpp_entry(
+        "dflash", files, {"sglang": {"dir": "draft"}}, cfg, "Qwen2ForCausalLM")["unsupported"]
+    assert "export with --target vllm or all" in llamacpp_entry("eagle3", {}, {"sglang": {"dir": "draft"}}, cfg,
+                                                                "LlamaForCausalLM")["unsupported"]
+    assert llamacpp_entry("medusa", {}, {}, cfg, "LlamaForCausalLM") is None

@@ -378,8 +378,17 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     files: Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]] = {}
     entries: Dict[str, Any] = {}
     skipped: Dict[str, str] = {}
+    llamacpp: Optional[Dict[str, Any]] = None
     if fmt in DRAFT_FORMATS:
         files, entries, skipped = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding, target)
+        from nemo_spec.checkpoint.families import FamilyError, family_for_export
+        from nemo_spec.export.llamacpp import llamacpp_entry
+
+        try:
+            arch: Optional[str] = family_for_export(cfg).architecture
+        except FamilyError:
+            arch = None
+        llamacpp = llamacpp_entry(fmt, files, entries, cfg, arch)
         for _, conf in files.values():
             conf["base_model_name_or_path"] = base_ref
             if fmt == "peagle":  # speculators' own record of the verifier (speculators/base.py:76-84)
@@ -415,6 +424,7 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
                 "target": target if files else None,
                 "engines": entries,
                 "skipped_engines": skipped,
+                "llamacpp": llamacpp,  # llama.cpp reads one of those directories (nemo_spec/export/llamacpp.py)
                 "extra": sorted(k for k in files if not k.startswith("draft/") and k != "draft"),
                 "base_model_name_or_path": base_ref,
                 "source_checkpoint": source,

@@ -57,6 +57,10 @@ def render_readme(root: Path, info: Dict[str, Any]) -> str:
         lang = "python" if eng == "trtllm" or (eng == "reference" and fmt != "medusa") else "bash"
         lines += [f"## {_TITLES[eng]}", "", f"Checked against {mod.VERSION} by `nemo_spec.export.engines.{eng}` "
                   f"(`scripts/verify_export.py`).", "", f"```{lang}", cmd, "```", ""]
+    if info.get("llamacpp"):
+        from nemo_spec.export.llamacpp import readme_section
+
+        lines += readme_section(root, base, info["llamacpp"])
     for eng, why in (info.get("skipped_engines") or {}).items():
         lines += [f"## {_TITLES[eng]}: not exported", "", why, ""]
     if fmt == "base":
