@@ -643,3 +643,22 @@ def test_the_trtllm_two_model_check_leaves_bases_no_family_writes_to_the_other_c
     out = export_model(model, tmp_path / "d", dtype="fp32", target="trtllm", include_base=False)
     launch = json.loads((out / "export_info.json").read_text())["engines"]["trtllm"]["launch"]
     assert "eagle3_one_model" not in launch
+
+
+def test_bf16_verification_scales_with_the_logits_and_still_catches_a_wrong_layout(tmp_path):
+    """A bf16 export's rounding grows with its logits: SmolLM2-135M's bf16 base was off by 0.22 (0.66% of its
+    largest logit, 33.5) and a fixed 0.15 refused the headline model's default export. Here a base whose logits are
+    ~300x larger stands in; a swapped layout is still a mismatch."""
+    model = make_model("eagle3", seed=8).eval()
+    with torch.no_grad():  # logits (and their bf16 rounding) ~300x larger, layout untouched
+        model.gpt.output_layer.weight.mul_(300.0)
+        model.eagle_module.output_layer.weight.mul_(300.0)
+    exp = export_model(model, tmp_path / "exp", dtype="bf16", target="vllm")
+    rows = {r.engine: r for r in verify_export(exp, model=model)}
+    assert rows["base"].max_abs_diff > 0.15 and rows["base"].status == "ok"
+    assert rows["vllm"].status == "ok"
+    w = load_file(str(exp / "draft" / "model.safetensors"))
+    q = w["midlayer.self_attn.q_proj.weight"]
+    w["midlayer.self_attn.q_proj.weight"] = torch.cat([q[q.shape[0] // 2:], q[:q.shape[0] // 2]])  # heads swapped
+    save_file(w, str(exp / "draft" / "model.safetensors"))
+    assert {r.engine: r for r in verify_export(exp, model=model)}["vllm"].status == "mismatch"
