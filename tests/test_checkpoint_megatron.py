@@ -412,11 +412,10 @@ def test_an_unknown_params_dtype_is_a_config_error(llama_ckpt, tmp_path, value):
 def test_a_script_without_a_main_guard_is_told_why_its_save_failed(tmp_path):
     """megatron-core's writer starts a helper with multiprocessing 'spawn', which runs an unguarded calling script
     again (here: its second parallel.initialize finds the port taken); the save failed as a bare "EOFError: "."""
-    import os
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers import script_env
 
     script = tmp_path / "save_tiny.py"
     script.write_text(
@@ -426,10 +425,8 @@ def test_a_script_without_a_main_guard_is_told_why_its_save_failed(tmp_path):
         "cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,"
         " ffn_hidden_size=128)\n"
         f"save_checkpoint(build_gpt(cfg), {str(tmp_path / 'ckpt')!r})\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # its own process group, not this one's port
-    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=script_env(), capture_output=True, text=True,
+                       timeout=300)  # its own process group, not this one's port
     assert p.returncode != 0
     assert "could not start its helper process" in p.stderr and 'if __name__ == "__main__":' in p.stderr
     assert not (tmp_path / "ckpt").exists()

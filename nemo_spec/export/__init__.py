@@ -222,8 +222,10 @@ def resolve_targets(target: str, fmt: str) -> List[str]:
 
 def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, spec: SpeculativeConfig,
                  embedding: Optional[torch.Tensor], target: str
-                 ) -> Tuple[Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]], Dict[str, Any], Dict[str, str]]:
-    """(sub-directory -> (tensors, config.json), engines -> {dir, launch}, skipped engine -> reason) for ``fmt``.
+                 ) -> Tuple[Dict[str, Tuple[Dict[str, torch.Tensor], Dict[str, Any]]], Dict[str, Any], Dict[str, str],
+                            Optional[Dict[str, Any]]]:
+    """(sub-directory -> (tensors, config.json), engines -> {dir, launch}, skipped engine -> reason, whether and how
+    llama.cpp serves one of those directories: :func:`nemo_spec.export.llamacpp.llamacpp_entry`) for ``fmt``.
 
     A single target writes ``draft/``; 'all' writes ``draft/<engine>/`` for every engine that can run the draft.
     """
@@ -282,7 +284,9 @@ def _draft_files(fmt: str, neutral: Dict[str, torch.Tensor], cfg: ModelConfig, s
         raise ExportError(f"no engine can serve this {fmt} draft: {skipped}")
     if fmt == "medusa":  # the layout of older vLLM releases' Medusa; vLLM 0.33 has no Medusa (not verified)
         files["draft_vllm_legacy"] = medusa_fmt.medusa_to_vllm(neutral, cfg, spec)
-    return files, entries, skipped
+    from nemo_spec.export.llamacpp import llamacpp_entry
+
+    return files, entries, skipped, llamacpp_entry(fmt, files, entries, cfg, arch)
 
 
 def _write_safetensors_index(base_dir: Path) -> None:
@@ -380,15 +384,8 @@ def export_model(model: torch.nn.Module, export_dir: PathLike, fmt: str = "auto"
     skipped: Dict[str, str] = {}
     llamacpp: Optional[Dict[str, Any]] = None
     if fmt in DRAFT_FORMATS:
-        files, entries, skipped = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding, target)
-        from nemo_spec.checkpoint.families import FamilyError, family_for_export
-        from nemo_spec.export.llamacpp import llamacpp_entry
-
-        try:
-            arch: Optional[str] = family_for_export(cfg).architecture
-        except FamilyError:
-            arch = None
-        llamacpp = llamacpp_entry(fmt, files, entries, cfg, arch)
+        files, entries, skipped, llamacpp = _draft_files(fmt, neutral, cfg, spec_model.spec_config, embedding,
+                                                         target)
         for _, conf in files.values():
             conf["base_model_name_or_path"] = base_ref
             if fmt == "peagle":  # speculators' own record of the verifier (speculators/base.py:76-84)

@@ -33,10 +33,10 @@ def llamacpp_entry(fmt: str, files: Mapping[str, Any], entries: Mapping[str, Any
     if fmt not in ("eagle3", "dflash"):
         return None
     entry: Dict[str, Any] = {"dir": None, "unsupported": None, "notes": [], "spec_type": f"draft-{fmt}"}
-    src = entries.get("vllm") if fmt == "eagle3" else next(iter(entries.values()), None)
+    src = entries.get("vllm") if fmt == "eagle3" else next(iter(entries.values()))  # DFlash: one format for all
     if src is None:
         entry["unsupported"] = ("llama.cpp's converter reads the vLLM layout of an EAGLE-3 draft: export with "
-                                "--target vllm or all" if fmt == "eagle3" else "no draft directory was written")
+                                "--target vllm or all")
         return entry
     entry["dir"] = src["dir"]
     conf = files[src["dir"]][1]
@@ -73,7 +73,7 @@ def llamacpp_entry(fmt: str, files: Mapping[str, Any], entries: Mapping[str, Any
 
 def readme_section(root: Path, base: Path, entry: Mapping[str, Any]) -> List[str]:
     """The export README's llama.cpp section: the converter and server commands with the real paths, or why not."""
-    lines = [f"## llama.cpp", ""]
+    lines = ["## llama.cpp", ""]
     if entry.get("unsupported"):
         return lines + [f"Not served by {VERSION}: {entry['unsupported']}.", ""]
     draft = root / entry["dir"]

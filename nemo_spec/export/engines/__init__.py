@@ -218,6 +218,7 @@ def verify_export(export_dir: Union[str, os.PathLike], checkpoint: Optional[Unio
                               "HF base vs checkpoint base"))
     if fmt == "base":
         return rows
+    tol = _tolerance(dtype, atol, ours["draft"])
     for name, entry in _engine_dirs(root, info).items():
         if engines and name not in engines:
             continue
@@ -225,7 +226,7 @@ def verify_export(export_dir: Union[str, os.PathLike], checkpoint: Optional[Unio
         try:
             theirs = ENGINES[name].draft_logits(fmt, path, run, ids, entry.get("launch") or {})
             d = _compare(theirs, ours["draft"])
-            status, detail = ("ok" if d <= _tolerance(dtype, atol, ours["draft"]) else "mismatch"), ""
+            status, detail = ("ok" if d <= tol else "mismatch"), ""
             if fmt == "eagle3":
                 problem = _check_vocab(model, path)
                 if problem:
